@@ -1,0 +1,24 @@
+"""pdm_lab: Predictive Divergence Masks for LLM RL — one mask library for proofs, toys and scale.
+
+The core is pure torch (SPEC.md §2–5): supports, divergences, Ḋ estimators, the mask registry,
+the policy loss and its metrics. ``pdm_lab.proofs``, ``pdm_lab.envs`` and ``pdm_lab.scaling``
+all call these functions.
+"""
+from .config import ConfigError, MaskConfig
+from .diagnose import diagnose
+from .direction import DDOT_ESTIMATORS, register_ddot_estimator
+from .errors import PDMInputError
+from .loss import LossOutput, aggregate, pdm_policy_loss
+from .masks import MASK_RULES, compute_mask, register_mask
+from .policy_side import PolicyOnSupport, policy_on_support, policy_on_support_reference
+from .stats import TokenStats, token_stats
+from .support import Support, support_from_full, support_from_slots, support_from_topk
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError", "DDOT_ESTIMATORS", "LossOutput", "MASK_RULES", "MaskConfig", "PDMInputError",
+    "PolicyOnSupport", "Support", "TokenStats", "aggregate", "compute_mask", "diagnose",
+    "pdm_policy_loss", "policy_on_support", "policy_on_support_reference", "register_ddot_estimator",
+    "register_mask", "support_from_full", "support_from_slots", "support_from_topk", "token_stats",
+]

@@ -1,0 +1,218 @@
+"""``pdm-lab bench``: throughput and memory of the core, each against a reference run in the same
+process (ratios, not absolute seconds, are what carry across machines).
+
+* mask pipeline (support → D → Ḋ → mask → loss) on N tokens × K, against one fused elementwise
+  pass over the same [N, K] inputs; target: within 3×.
+* train-side gather at Qwen3's vocabulary (151,936), chunked ``policy_on_support`` against the
+  naive ``log_softmax(logits / T).gather(...)``; target: ≤ 1/8 of the naive peak memory at equal
+  or better speed. Peak memory is measured as the growth of the peak RSS in a fresh subprocess.
+
+Stages add rows through their own ``bench.run_bench(args)`` (``envs``, ``scaling``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import time
+
+import torch
+
+from .config import MaskConfig
+from .loss import pdm_policy_loss
+from .numerics import log1mexp
+from .policy_side import PolicyOnSupport, policy_on_support, policy_on_support_reference
+from .support import support_from_topk
+
+STAGE_BENCHES = ("pdm_lab.envs.bench", "pdm_lab.scaling.bench")
+
+
+def _best_of(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def rollout_like_inputs(n_tokens: int, k: int, vocab: int, seed: int = 0) -> dict:
+    """What a rollout engine returns for N tokens (sorted top-K, sampled id inside ~90% of the
+    time) and a matching π on the support, without any [N, V] tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n_tokens, k + 1, generator=gen) * 2.0
+    logits = torch.sort(logits, dim=1, descending=True).values
+    head = torch.log_softmax(logits, dim=1)  # k+1 atoms: K head tokens and the tail
+    topk_logp = head[:, :k]
+    start = torch.randint(0, vocab - k - 1, (n_tokens, 1), generator=gen)
+    topk_ids = start + torch.arange(k)[None, :]
+    inside = torch.rand(n_tokens, generator=gen) < 0.9
+    slot = torch.randint(0, k, (n_tokens,), generator=gen)
+    sampled = torch.where(inside, topk_ids.gather(1, slot[:, None])[:, 0], (start[:, 0] + k) % vocab)
+    sampled_logp = torch.where(inside, topk_logp.gather(1, slot[:, None])[:, 0], head[:, k] - 3.0)
+    advantages = torch.where(torch.rand(n_tokens, generator=gen) < 0.5, -1.0, 1.0)
+    return {"topk_ids": topk_ids, "topk_logp": topk_logp, "sampled": sampled,
+            "sampled_logp": sampled_logp, "advantages": advantages, "vocab": vocab,
+            "noise": torch.randn(n_tokens, k + 2, generator=gen) * 0.3}
+
+
+def _policy_like(support, noise: torch.Tensor) -> PolicyOnSupport:
+    m = support.ids.shape[1]
+    raw = torch.cat([support.mu_logp, support.mu_tail_logp[:, None]], dim=1) + noise[:, : m + 1]
+    logp = torch.log_softmax(raw, dim=1)
+    tail = logp[:, m]
+    return PolicyOnSupport(logp=logp[:, :m].masked_fill(~support.valid, float("-inf")).requires_grad_(),
+                           tail_logp=tail, tail_log_sumsq=2 * tail - 3.0)
+
+
+def bench_mask_pipeline(n_tokens: int, k: int, repeat: int) -> list[dict]:
+    inp = rollout_like_inputs(n_tokens, k, vocab=151_936)
+    cfg = MaskConfig(rule="pdm_topk", k=k)
+    adv = inp["advantages"].reshape(-1, 1)
+    resp = torch.ones_like(adv, dtype=torch.bool)
+    support0 = support_from_topk(inp["topk_ids"], inp["topk_logp"], inp["sampled"], inp["sampled_logp"],
+                                 vocab_size=inp["vocab"], k=k)
+    pi0 = _policy_like(support0, inp["noise"])
+
+    def pipeline():
+        support = support_from_topk(inp["topk_ids"], inp["topk_logp"], inp["sampled"],
+                                    inp["sampled_logp"], vocab_size=inp["vocab"], k=k)
+        out = pdm_policy_loss(pi0, support, adv, resp, cfg)
+        out.loss.backward()
+
+    def mask_only():
+        out = pdm_policy_loss(pi0, support0, adv, resp, cfg)
+        out.loss.backward()
+
+    mu, pi = support0.mu_logp[:, :k], pi0.logp.detach()[:, :k]
+
+    def reference():
+        # one fused elementwise pass + reduction over the same [N, K] inputs
+        return (torch.exp(mu) * (mu - pi)).sum(dim=1)
+
+    t_ref = _best_of(reference, repeat)
+    t_pipe = _best_of(pipeline, repeat)
+    t_mask = _best_of(mask_only, repeat)
+    return [
+        {"name": f"mask pipeline N={n_tokens} K={k} (support+stats+mask+loss+backward)",
+         "value": n_tokens / t_pipe / 1e6, "unit": "Mtok/s", "reference": n_tokens / t_ref / 1e6,
+         "ratio": t_pipe / t_ref, "target": "≤ 3× reference time"},
+        {"name": f"  of which stats+mask+loss+backward (support prebuilt)",
+         "value": n_tokens / t_mask / 1e6, "unit": "Mtok/s", "reference": n_tokens / t_ref / 1e6,
+         "ratio": t_mask / t_ref, "target": "≤ 3× reference time"},
+    ]
+
+
+def _proc_status_kb(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss_kb() -> int:
+    """Reset the peak-RSS mark (Linux clear_refs) and return the current RSS in kB."""
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    return _proc_status_kb("VmRSS")
+
+
+def _gather_child(queue, kind: str, n_tokens: int, vocab: int, k: int, backward: bool, repeat: int) -> None:
+    torch.manual_seed(0)
+    logits = torch.empty(n_tokens, vocab, dtype=torch.bfloat16)
+    for lo in range(0, n_tokens, 8):  # row blocks: no float32 [N, V] temporary inflates the baseline
+        logits[lo:lo + 8] = torch.randn(min(8, n_tokens - lo), vocab) * 3
+    logits.requires_grad_(backward)
+    ids = torch.randint(0, vocab, (n_tokens, k + 1))
+    fn = policy_on_support if kind == "chunked" else policy_on_support_reference
+
+    def once():
+        out = fn(logits, ids, temperature=0.7)
+        if backward:
+            out.logp[:, 0].sum().backward()
+            logits.grad = None
+        return out
+
+    base = _reset_peak_rss_kb()
+    once()
+    peak = _proc_status_kb("VmHWM")
+    seconds = _best_of(once, repeat)
+    queue.put({"extra_mb": (peak - base) / 1024.0, "seconds": seconds})
+
+
+def _measure_gather(kind: str, n_tokens: int, vocab: int, k: int, backward: bool, repeat: int) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_gather_child, args=(queue, kind, n_tokens, vocab, k, backward, repeat))
+    proc.start()
+    result = queue.get(timeout=900)
+    proc.join()
+    return result
+
+
+def bench_gather(n_tokens: int, vocab: int, k: int, repeat: int) -> list[dict]:
+    rows = []
+    for backward in (False, True):
+        naive = _measure_gather("naive", n_tokens, vocab, k, backward, repeat)
+        chunked = _measure_gather("chunked", n_tokens, vocab, k, backward, repeat)
+        label = "forward+backward" if backward else "forward"
+        rows.append({"name": f"train-side gather {label} N={n_tokens} V={vocab} bf16 logits: peak extra memory",
+                     "value": chunked["extra_mb"], "unit": "MB", "reference": naive["extra_mb"],
+                     "ratio": chunked["extra_mb"] / max(naive["extra_mb"], 1e-9),
+                     "target": "≤ 1/8 of naive" if not backward else "(grad of logits [N,V] is inherent)"})
+        rows.append({"name": f"train-side gather {label}: time", "value": chunked["seconds"] * 1e3,
+                     "unit": "ms", "reference": naive["seconds"] * 1e3,
+                     "ratio": chunked["seconds"] / naive["seconds"], "target": "≤ 1 (equal or faster)"})
+    return rows
+
+
+def run_core_bench(args: argparse.Namespace) -> list[dict]:
+    rows = bench_mask_pipeline(args.tokens, args.k, args.repeat)
+    rows += bench_gather(args.gather_tokens, args.vocab, args.k, args.repeat)
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'benchmark':<78} {'value':>10} {'unit':>7} {'reference':>10} {'ratio':>7}  target")
+    for r in rows:
+        print(f"{r['name']:<78.78} {r['value']:>10.4g} {r['unit']:>7} {r['reference']:>10.4g} "
+              f"{r['ratio']:>7.3g}  {r['target']}")
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads) if args.threads else None
+    rows: list[dict] = []
+    if "core" in args.only:
+        rows += run_core_bench(args)
+    for name in STAGE_BENCHES:
+        stage = name.split(".")[1]
+        if stage not in args.only:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        rows += module.run_bench(args)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print_rows(rows)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: ratios against references measured in the same run",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=1_000_000, help="tokens for the mask pipeline (default 1M)")
+    p.add_argument("--k", type=int, default=20, help="top-K (default 20)")
+    p.add_argument("--gather-tokens", type=int, default=256, help="tokens for the gather bench (default 256)")
+    p.add_argument("--vocab", type=int, default=151_936, help="vocabulary for the gather bench (Qwen3's)")
+    p.add_argument("--repeat", type=int, default=3, help="timed repeats, best kept (default 3)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--only", nargs="+", default=["core", "envs", "scaling"],
+                   choices=["core", "envs", "scaling"], help="which stages to bench")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=main)

@@ -1,0 +1,196 @@
+"""Typed, frozen configuration dataclasses and the one YAML loader (``yaml.safe_load`` only).
+
+An unknown key is an error naming the key, where it was found, and the nearest valid key. The
+``MaskConfig`` here is the ``mask:`` section of every config, toy sweep and full run alike.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded: unknown key, wrong type, value out of range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskConfig:
+    """The trust-region mask and the policy loss (SPEC §4–5). Defaults follow the paper (§7)."""
+
+    rule: str = "pdm_uniform"
+    """Mask rule from the registry (``pdm_lab.masks.MASK_RULES``)."""
+    delta: float = 0.15
+    """Trust-region threshold δ on the divergence (paper: 0.15, also 0.05)."""
+    delta_neg: float | None = None
+    """Separate δ for Â < 0 (DPPO's code allows it); None: same as ``delta``."""
+    k: int = 20
+    """K, how many of μ's top tokens the rollout exposes (paper: 20)."""
+    convention: str = "union"
+    """Support convention: ``union`` (paper, TopK ∪ {k}) or ``kslot`` (DPPO's public code)."""
+    estimator: str = "uniform"
+    """Ḋ estimator used by the direction metrics (rules ``pdm_<estimator>`` name their own)."""
+    eps_low: float = 0.2
+    """ppo_clip lower ε (GRPO clip-higher: 0.2)."""
+    eps_high: float = 0.28
+    """ppo_clip upper ε (GRPO clip-higher: 0.28)."""
+    icepop_low: float = 0.5
+    """icepop α: keep only r ≥ α."""
+    icepop_high: float = 2.0
+    """icepop β: keep only r ≤ β."""
+    clip_ratio_c: float | None = None
+    """TIS-style cap c on the ratio factor, sg(min(r, c)); None: no cap."""
+    aggregation: str = "token-mean"
+    """Loss aggregation (DAPO's token-mean by default)."""
+    horizon: int | None = None
+    """Fixed horizon for ``seq-mean-token-sum-norm``; None: the padded response length."""
+
+    def __post_init__(self) -> None:
+        from .direction import DDOT_ESTIMATORS
+        from .masks import MASK_RULES
+        from .support import CONVENTIONS
+
+        _one_of("mask.rule", self.rule, MASK_RULES)
+        _one_of("mask.convention", self.convention, CONVENTIONS)
+        _one_of("mask.estimator", self.estimator, DDOT_ESTIMATORS)
+        _one_of("mask.aggregation", self.aggregation, AGGREGATIONS)
+        for name in ("delta", "eps_low", "eps_high", "icepop_low"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"mask.{name}: must be ≥ 0, got {getattr(self, name)}")
+        if self.delta_neg is not None and self.delta_neg < 0:
+            raise ConfigError(f"mask.delta_neg: must be ≥ 0, got {self.delta_neg}")
+        if self.k < 1:
+            raise ConfigError(f"mask.k: must be ≥ 1, got {self.k}")
+        if self.icepop_high < self.icepop_low:
+            raise ConfigError(f"mask.icepop_high ({self.icepop_high}) < icepop_low ({self.icepop_low})")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 0:
+            raise ConfigError(f"mask.clip_ratio_c: must be > 0, got {self.clip_ratio_c}")
+        if self.horizon is not None and self.horizon < 1:
+            raise ConfigError(f"mask.horizon: must be ≥ 1, got {self.horizon}")
+
+    @property
+    def delta_for_negative(self) -> float:
+        return self.delta if self.delta_neg is None else self.delta_neg
+
+
+def _one_of(where: str, value: str, valid: typing.Iterable[str]) -> None:
+    valid = sorted(valid)
+    if value not in valid:
+        near = difflib.get_close_matches(str(value), valid, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"{where}: unknown value {value!r}{hint} Valid: {', '.join(valid)}")
+
+
+def _convert(where: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(where, arg, value)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if errors else f"{where}: cannot convert {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return from_dict(tp, value, where=where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)[:1] or (Any,)
+        items = [_convert(f"{where}[{i}]", item, v) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], mapping: Any, where: str = "") -> T:
+    """Build the dataclass `cls` from a mapping, recursively; unknown keys raise ``ConfigError``."""
+    prefix = f"{where}." if where else ""
+    if mapping is None:
+        mapping = {}
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {type(mapping).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in mapping:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"unknown config key {prefix}{key!r}{hint} Valid keys: {', '.join(fields)}")
+    kwargs = {key: _convert(f"{prefix}{key}", hints[key], value) for key, value in mapping.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # a required field without a value
+        raise ConfigError(f"{where or cls.__name__}: {err}") from None
+
+
+def load_yaml(cls: type[T], path: str | Path) -> T:
+    """Load `cls` from a YAML file with ``yaml.safe_load``."""
+    with open(path, encoding="utf-8") as fh:
+        return from_dict(cls, yaml.safe_load(fh))
+
+
+def to_dict(instance: Any) -> dict:
+    """A plain dict (tuples become lists) suitable for ``yaml.safe_dump`` or JSON."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+    return plain(dataclasses.asdict(instance))
+
+
+def apply_overrides(mapping: dict, overrides: typing.Iterable[str]) -> dict:
+    """``a.b=value`` strings onto a nested dict; values are parsed as YAML scalars."""
+    out = dict(mapping)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        path, raw = item.split("=", 1)
+        node = out
+        keys = path.split(".")
+        for key in keys[:-1]:
+            child = node.get(key)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[key] = child
+            node = child
+        node[keys[-1]] = yaml.safe_load(raw)
+    return out

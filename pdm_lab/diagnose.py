@@ -1,0 +1,57 @@
+"""``diagnose``: every per-token quantity and the main masks for full distributions, in one call.
+
+Built from the same functions the trainers use (support → π on support → stats → mask registry);
+it is a convenience view for checks and notebooks, not a second implementation.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import MaskConfig
+from .errors import check_same, check_tensor
+from .masks import compute_mask
+from .policy_side import policy_on_support
+from .support import support_from_full
+
+DIAGNOSE_MASKS = ("dppo_topk_kl", "pdm_exact", "pdm_agg", "pdm_uniform", "pdm_topk")
+
+
+@torch.no_grad()
+def diagnose(mu_logp: Tensor, pi_logp: Tensor, sampled: Tensor, advantages: Tensor, *,
+             k: int = 20, delta: float = 0.15, convention: str = "union") -> dict[str, Tensor]:
+    """Per-token divergences, Ḋ estimates and masks from full μ and π.
+
+    Args:
+        mu_logp, pi_logp: [N, n] full log-probabilities of μ and π.
+        sampled: [N] int64 sampled ids k.
+        advantages: [N] Â.
+        k, delta, convention: K, δ and the support convention (SPEC §2, §4).
+
+    Returns:
+        [N] tensors ``topk_kl, topk_tv, full_kl, ratio, mu_tail, pi_tail, ddot_exact, ddot_agg,
+        ddot_uniform, ddot_topk, ddot_lower, ddot_upper, outside`` (bool, D > δ) and masks
+        ``mask_<rule>`` (1.0 keep, 0.0 drop) for ``DIAGNOSE_MASKS``; ``support`` [N, m] int64
+        padded with −1.
+    """
+    from .stats import token_stats
+
+    check_tensor("pi_logp", pi_logp, ndim=2, floating=True)
+    check_same(("mu_logp", "pi_logp"), mu_logp, pi_logp, dtype=True)
+    check_tensor("advantages", advantages, ndim=1, floating=True)
+    check_same(("sampled", "advantages"), sampled, advantages)
+    support = support_from_full(mu_logp, sampled, k=k, convention=convention)
+    pi = policy_on_support(pi_logp, support.ids)
+    stats = token_stats(support, pi, mu_full=mu_logp, pi_full=pi_logp)
+    out: dict[str, Tensor] = {
+        "topk_kl": stats.topk_kl, "topk_tv": stats.topk_tv, "full_kl": stats.full_kl,
+        "ratio": stats.ratio, "mu_tail": stats.mu_tail, "pi_tail": stats.pi_tail,
+        "ddot_lower": stats.ddot_lower, "ddot_upper": stats.ddot_upper,
+        "outside": stats.topk_kl > delta, "support": support.ids,
+    }
+    out.update({f"ddot_{name}": value for name, value in stats.ddot.items()})
+    adv = advantages.to(stats.ratio.dtype)
+    for rule in DIAGNOSE_MASKS:
+        cfg = MaskConfig(rule=rule, delta=delta, k=k, convention=convention)
+        out[f"mask_{rule}"] = compute_mask(cfg, stats, adv)
+    return out

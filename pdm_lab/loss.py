@@ -1,0 +1,99 @@
+"""The masked policy loss (SPEC §5): the one function the toys and the scaling loop call."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import AGGREGATIONS, MaskConfig
+from .errors import PDMInputError, check_same, check_tensor
+from .masks import compute_mask
+from .metrics import step_metrics
+from .policy_side import PolicyOnSupport
+from .stats import TokenStats, token_stats
+from .support import Support
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """loss: scalar (differentiable); keep: [B, T] mask; stats: per-token [N]; metrics: namespaced."""
+
+    loss: Tensor
+    keep: Tensor
+    stats: TokenStats
+    metrics: dict[str, Tensor]
+
+
+def token_surrogate(logp_k: Tensor, mu_logp_k: Tensor, advantages: Tensor, keep: Tensor,
+                    clip_ratio_c: float | None = None) -> Tensor:
+    """Per-token loss whose gradient is −M·min(r, c)·Â·∇log π_k (M, the cap: constants).
+
+    Value −M·Â·min(r, c): written as r·sg(min(r, c)/r) so r carries the gradient (r∇log π_k)
+    and the cap is a stop-gradient factor, as in TIS.
+    """
+    ratio = torch.exp(logp_k - mu_logp_k.detach())
+    if clip_ratio_c is not None:
+        ratio = ratio * (torch.clamp(ratio, max=clip_ratio_c) / ratio).detach()
+    return -keep.detach() * advantages.detach() * ratio
+
+
+def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
+              horizon: int | None = None) -> Tensor:
+    """Reduce a [B, T] per-token loss over the response tokens.
+
+    token-mean: Σ l·m / Σ m (DAPO). seq-mean-token-mean: mean over sequences of each one's token
+    mean. seq-mean-token-sum: mean over sequences of token sums. seq-mean-token-sum-norm: mean
+    over sequences of token sums / horizon (Dr. GRPO; horizon default T). Padding never counts;
+    sequences with no response token are left out of the sequence means.
+    """
+    if mode not in AGGREGATIONS:
+        raise PDMInputError(f"aggregation: unknown {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+    check_tensor("loss_mat", loss_mat, ndim=2)
+    check_same(("loss_mat", "response_mask"), loss_mat, response_mask)
+    mask = response_mask.to(loss_mat.dtype)
+    masked = loss_mat * mask
+    if mode == "token-mean":
+        return masked.sum() / mask.sum().clamp(min=1)
+    counts = mask.sum(dim=1)
+    has_tokens = counts > 0
+    n_seq = has_tokens.sum().clamp(min=1)
+    sums = masked.sum(dim=1)
+    if mode == "seq-mean-token-mean":
+        per_seq = sums / counts.clamp(min=1)
+    elif mode == "seq-mean-token-sum":
+        per_seq = sums
+    else:
+        per_seq = sums / float(horizon if horizon is not None else loss_mat.shape[1])
+    return (per_seq * has_tokens).sum() / n_seq
+
+
+def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
+                    response_mask: Tensor, cfg: MaskConfig, *, mu_full: Tensor | None = None,
+                    pi_full: Tensor | None = None) -> LossOutput:
+    """Masked, optionally capped, aggregated policy-gradient loss with its per-step metrics.
+
+    Args:
+        pi: π on the support, from ``policy_on_support`` (``logp`` carries the gradient).
+        support: μ's reduced support; N = B·T rows, row-major over [B, T].
+        advantages: [B, T] Â per token (group-normalised upstream).
+        response_mask: [B, T] bool/0-1, padding = 0.
+        cfg: the mask section (rule, δ, K, convention, estimator, cap, aggregation).
+        mu_full, pi_full: [N, n] full log-probabilities (toys): enable ``exact`` and full KL.
+    """
+    check_tensor("advantages", advantages, ndim=2, floating=True)
+    check_same(("advantages", "response_mask"), advantages, response_mask)
+    n_tokens = advantages.numel()
+    if support.ids.shape[0] != n_tokens:
+        raise PDMInputError(f"support has {support.ids.shape[0]} rows but advantages {tuple(advantages.shape)} "
+                            f"has {n_tokens} tokens (N must equal B·T)")
+    stats = token_stats(support, pi, mu_full=mu_full, pi_full=pi_full)
+    adv = advantages.reshape(-1).to(stats.ratio.dtype)
+    resp = response_mask.reshape(-1).bool()
+    keep = compute_mask(cfg, stats, torch.where(resp, adv, torch.zeros_like(adv)))
+    logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
+    mu_logp_k = support.mu_logp_k.to(logp_k.dtype)
+    per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, cfg.clip_ratio_c)
+    loss = aggregate(per_token.reshape(advantages.shape), response_mask, cfg.aggregation, cfg.horizon)
+    metrics = step_metrics(stats, keep, adv, resp, cfg)
+    return LossOutput(loss=loss, keep=keep.reshape(advantages.shape), stats=stats, metrics=metrics)

@@ -1,0 +1,32 @@
+"""Log-space primitives. Tails are computed here and nowhere else (SPEC §8)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_LOG_HALF = -math.log(2.0)
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 − exp(x)) for x ≤ 0, accurate at both ends (Mächler 2012).
+
+    Naive equivalent: ``torch.log(1 - torch.exp(x))``, which returns −inf for x > −1e-8 in float32
+    and loses every digit when exp(x) is close to 1. Returns −inf at x = 0 and 0 at x = −inf.
+    """
+    x = torch.clamp(x, max=0.0)
+    return torch.where(x > _LOG_HALF, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def xlogy_ratio(logp: Tensor, logq: Tensor) -> Tensor:
+    """p·log(p/q) from log p and log q, with 0·log 0 = 0 (p = 0 gives 0 whatever q is)."""
+    p = torch.exp(logp)
+    # p = 0 would give 0·(−inf − log q) = NaN; where p > 0 and q = 0 the +inf is the true value
+    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
+
+
+def masked_logsumexp(x: Tensor, keep: Tensor, dim: int = -1) -> Tensor:
+    """log Σ exp(x) over the entries where `keep` is True; −inf where none is kept."""
+    return torch.logsumexp(x.masked_fill(~keep, float("-inf")), dim=dim)
+

@@ -1,0 +1,117 @@
+"""Support construction: conventions, tie-breaking, engine-side vs full-side agreement, divergences."""
+import torch
+from hypothesis import given, strategies as st
+
+from core_helpers import mismatched_pair, random_logp, sample_from
+from pdm_lab.divergence import full_kl, topk_kl
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.stats import token_stats
+from pdm_lab.support import support_from_full, support_from_slots, support_from_topk, topk_lower_id_ties
+
+
+def test_ties_break_to_lower_id():
+    logp = torch.log_softmax(torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 0.5]], dtype=torch.float64), dim=-1)
+    s = support_from_full(logp, torch.tensor([5]), k=2)
+    assert s.ids.tolist() == [[1, 2, 5]]
+    s = support_from_full(logp, torch.tensor([5]), k=2, convention="kslot")
+    assert s.ids.tolist() == [[1, 5]]
+
+
+@given(n=st.integers(1, 300), k=st.integers(1, 40), seed=st.integers(0, 10**6), levels=st.integers(1, 6))
+def test_topk_with_ties_equals_stable_sort(n, k, seed, levels):
+    gen = torch.Generator().manual_seed(seed)
+    logp = torch.randint(0, levels, (4, n), generator=gen).double()  # many ties
+    kk = min(k, n)
+    ids, values = topk_lower_id_ties(logp, kk)
+    ref_values, ref_ids = torch.sort(logp, dim=1, descending=True, stable=True)
+    assert torch.equal(ids, ref_ids[:, :kk]) and torch.equal(values, ref_values[:, :kk])
+
+
+@given(n=st.integers(2, 500), k=st.integers(1, 30), seed=st.integers(0, 10**6))
+def test_union_and_kslot_differ_only_when_k_outside(n, k, seed):
+    mu = random_logp(6, n, seed)
+    sampled = sample_from(mu, seed)
+    u = support_from_full(mu, sampled, k=k, convention="union")
+    s = support_from_full(mu, sampled, k=k, convention="kslot")
+    kk = min(k, n)
+    top = torch.sort(mu, dim=1, descending=True, stable=True).indices[:, :kk]
+    outside = ~(top == sampled[:, None]).any(dim=1)
+    same = (u.ids[:, :kk] == s.ids[:, :kk]).all(dim=1) & ~(u.valid[:, kk:].any(dim=1) if u.ids.shape[1] > kk else torch.zeros(6, dtype=torch.bool))
+    assert torch.equal(~same, outside)
+    assert bool((u.valid.sum(1) == kk + outside.long()).all())
+    assert bool((s.valid.sum(1) == kk).all())
+    assert torch.equal(u.sampled, sampled) and torch.equal(s.sampled, sampled)
+
+
+@given(n=st.integers(2, 2000), k=st.integers(1, 25), seed=st.integers(0, 10**6),
+       convention=st.sampled_from(["union", "kslot"]), scale=st.sampled_from([0.5, 2.0, 6.0]))
+def test_topk_kl_between_zero_and_full_kl(n, k, seed, convention, scale):
+    mu, pi = mismatched_pair(5, n, seed, scale=scale)
+    sampled = sample_from(mu, seed)
+    s = support_from_full(mu, sampled, k=k, convention=convention)
+    stats = token_stats(s, policy_on_support(pi, s.ids), mu_full=mu, pi_full=pi)
+    assert bool((stats.topk_kl >= -1e-12).all())
+    assert bool((stats.topk_kl <= stats.full_kl + 1e-10).all())
+
+
+@given(n=st.integers(3, 1000), k=st.integers(1, 20), seed=st.integers(0, 10**6))
+def test_adding_k_never_lowers_d(n, k, seed):
+    """D on TopK ∪ {k} ≥ D on TopK alone (a finer partition; log-sum inequality)."""
+    mu, pi = mismatched_pair(5, n, seed)
+    sampled = sample_from(mu, seed)
+    with_k = support_from_full(mu, sampled, k=k)
+    top1 = torch.argmax(mu, dim=1)
+    without = support_from_full(mu, top1, k=k)  # same top-K, k not added
+    d = lambda s: token_stats(s, policy_on_support(pi, s.ids)).topk_kl
+    assert bool((d(with_k) >= d(without) - 1e-12).all())
+
+
+@given(n=st.integers(2, 400), k=st.integers(1, 25), seed=st.integers(0, 10**6),
+       convention=st.sampled_from(["union", "kslot"]), shuffle=st.booleans())
+def test_engine_side_support_matches_full_side(n, k, seed, convention, shuffle):
+    """What a rollout engine returns (top-K', sampled) gives the same support as full μ."""
+    mu = random_logp(4, n, seed)
+    sampled = sample_from(mu, seed)
+    full = support_from_full(mu, sampled, k=k, convention=convention)
+    kk = min(k + 3, n)
+    top_vals, top_ids = torch.sort(mu, dim=1, descending=True, stable=True)
+    ids, vals = top_ids[:, :kk], top_vals[:, :kk]
+    if shuffle:
+        perm = torch.randperm(kk, generator=torch.Generator().manual_seed(seed))
+        ids, vals = ids[:, perm], vals[:, perm]
+    eng = support_from_topk(ids, vals, sampled, mu.gather(1, sampled[:, None])[:, 0],
+                            vocab_size=n, k=k, convention=convention)
+    assert torch.equal(eng.ids, full.ids)
+    torch.testing.assert_close(eng.mu_logp, full.mu_logp)
+    torch.testing.assert_close(eng.mu_kth_logp, full.mu_kth_logp)
+    # the engine-side tail (log1mexp of the head) agrees with the direct log-sum-exp
+    torch.testing.assert_close(eng.mu_tail_logp, full.mu_tail_logp, rtol=1e-9, atol=1e-9)
+
+
+def test_row_mask_pads_rows_without_checking_them():
+    ids = torch.tensor([[3, 1], [0, 0]])
+    logp = torch.tensor([[-0.5, -1.5], [float("nan"), 7.0]])
+    s = support_from_topk(ids, logp, torch.tensor([3, 9]), torch.tensor([-0.5, float("nan")]),
+                          vocab_size=10, row_mask=torch.tensor([True, False]))
+    assert s.ids[0].tolist() == [3, 1]
+    assert torch.isfinite(s.mu_logp[1, 0])
+
+
+def test_tail_of_astronomically_small_mass_stays_finite():
+    """A head with all but 1e-60 of the mass: 1 − sum(exp) is 0 in any float; log space is not."""
+    logp = torch.tensor([[0.0 - 1e-60, -140.0, -141.0, -142.0]], dtype=torch.float64)
+    s = support_from_full(torch.log_softmax(logp, -1), torch.tensor([0]), k=1)
+    assert torch.isfinite(s.mu_tail_logp).all() and s.mu_tail_logp.item() < -139
+
+
+def test_full_kl_matches_definition():
+    mu, pi = mismatched_pair(3, 50, 1)
+    ref = (torch.exp(mu) * (mu - pi)).sum(-1)
+    torch.testing.assert_close(full_kl(mu, pi), ref)
+
+
+def test_support_from_slots_kslot_input():
+    s = support_from_slots(torch.tensor([[4, 2, 7]]), torch.log(torch.tensor([[0.5, 0.2, 0.1]])),
+                           torch.tensor([7]), vocab_size=10)
+    assert s.k_index.tolist() == [2] and s.tail_count.tolist() == [7]
+    torch.testing.assert_close(torch.exp(s.mu_tail_logp), torch.tensor([0.2]))
