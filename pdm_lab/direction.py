@@ -97,9 +97,11 @@ def tail_topk(view: TailView) -> Tensor:
     return _where_tail(view, view.mu_tail * ratio - sumsq)
 
 
-def ddot_head(mu_logp: Tensor, pi_logp: Tensor, k_index: Tensor) -> Tensor:
-    """(π_k − μ_k) + Σ_{i∈S} π_i(μ_i − π_i) from [N, m] log-probs on S; [N]."""
-    mu, pi = torch.exp(mu_logp), torch.exp(pi_logp)
+def ddot_head(mu_logp: Tensor, pi_logp: Tensor, k_index: Tensor, *, mu: Tensor | None = None,
+              pi: Tensor | None = None) -> Tensor:
+    """(π_k − μ_k) + Σ_{i∈S} π_i(μ_i − π_i) from [N, m] log-probs on S (or the probs); [N]."""
+    mu = torch.exp(mu_logp) if mu is None else mu
+    pi = torch.exp(pi_logp) if pi is None else pi
     local = (pi - mu).gather(1, k_index[:, None])[:, 0]
     return local + (pi * (mu - pi)).sum(dim=-1)
 

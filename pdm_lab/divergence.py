@@ -1,6 +1,8 @@
 """Proximity measures between μ and π (SPEC §2): top-K KL/TV, binary KL/TV, full KL.
 
-Inputs are log-probabilities; every function is elementwise over tokens, [N, m] → [N].
+Inputs are log-probabilities; every function is elementwise over tokens, [N, m] → [N]. The
+probabilities μ = exp(log μ), π = exp(log π) on S may be passed too when the caller has them,
+to save the exponentials on a hot path.
 """
 from __future__ import annotations
 
@@ -10,20 +12,24 @@ from torch import Tensor
 from .numerics import log1mexp, xlogy_ratio
 
 
-def topk_kl(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor) -> Tensor:
+def topk_kl(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor, *,
+            mu: Tensor | None = None) -> Tensor:
     """D = Σ_{i∈S} μ_i log(μ_i/π_i) + μ_T log(μ_T/π_T), with 0·log 0 = 0.
 
     Args:
         mu_logp, pi_logp: [N, m] log μ, log π on S (−inf at padding).
         mu_tail_logp, pi_tail_logp: [N] log μ_T, log π_T.
     """
-    head = xlogy_ratio(mu_logp, pi_logp).sum(dim=-1)
+    head = xlogy_ratio(mu_logp, pi_logp, mu).sum(dim=-1)
     return head + xlogy_ratio(mu_tail_logp, pi_tail_logp)
 
 
-def topk_tv(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor) -> Tensor:
+def topk_tv(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor, *,
+            mu: Tensor | None = None, pi: Tensor | None = None) -> Tensor:
     """½(Σ_{i∈S}|μ_i − π_i| + |μ_T − π_T|)."""
-    head = (torch.exp(mu_logp) - torch.exp(pi_logp)).abs().sum(dim=-1)
+    mu = torch.exp(mu_logp) if mu is None else mu
+    pi = torch.exp(pi_logp) if pi is None else pi
+    head = (mu - pi).abs().sum(dim=-1)
     return 0.5 * (head + (torch.exp(mu_tail_logp) - torch.exp(pi_tail_logp)).abs())
 
 

@@ -19,9 +19,12 @@ def log1mexp(x: Tensor) -> Tensor:
     return torch.where(x > _LOG_HALF, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def xlogy_ratio(logp: Tensor, logq: Tensor) -> Tensor:
-    """p·log(p/q) from log p and log q, with 0·log 0 = 0 (p = 0 gives 0 whatever q is)."""
-    p = torch.exp(logp)
+def xlogy_ratio(logp: Tensor, logq: Tensor, p: Tensor | None = None) -> Tensor:
+    """p·log(p/q) from log p and log q, with 0·log 0 = 0 (p = 0 gives 0 whatever q is).
+
+    `p` = exp(logp) may be passed when the caller already has it.
+    """
+    p = torch.exp(logp) if p is None else p
     # p = 0 would give 0·(−inf − log q) = NaN; where p > 0 and q = 0 the +inf is the true value
     return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
 

@@ -58,13 +58,14 @@ def token_stats(support: Support, pi: PolicyOnSupport, *, mu_full: Tensor | None
     view = TailView(mu_tail=torch.exp(mu_tail_logp), pi_tail=torch.exp(pi.tail_logp),
                     pi_tail_logp=pi.tail_logp, tail_count=support.tail_count,
                     pi_tail_log_sumsq=pi.tail_log_sumsq, exact_tail=exact)
-    head = ddot_head(mu_logp, pi_logp, k_index)
+    mu, pi_p = torch.exp(mu_logp), torch.exp(pi_logp)  # once, shared by D, TV and the head
+    head = ddot_head(mu_logp, pi_logp, k_index, mu=mu, pi=pi_p)
     names = [name for name in DDOT_ESTIMATORS if name != "exact" or exact is not None]
     lower, upper = ddot_interval(head, view, torch.exp(support.mu_kth_logp.to(pi_logp.dtype)))
     log_ratio = pi_logp_k - mu_logp_k
     return TokenStats(
-        topk_kl=topk_kl(mu_logp, pi_logp, mu_tail_logp, pi.tail_logp),
-        topk_tv=topk_tv(mu_logp, pi_logp, mu_tail_logp, pi.tail_logp),
+        topk_kl=topk_kl(mu_logp, pi_logp, mu_tail_logp, pi.tail_logp, mu=mu),
+        topk_tv=topk_tv(mu_logp, pi_logp, mu_tail_logp, pi.tail_logp, mu=mu, pi=pi_p),
         binary_kl=binary_kl(mu_logp_k, pi_logp_k),
         binary_tv=binary_tv(mu_logp_k, pi_logp_k),
         full_kl=full,
