@@ -70,7 +70,7 @@ def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
 
 def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
                     response_mask: Tensor, cfg: MaskConfig, *, mu_full: Tensor | None = None,
-                    pi_full: Tensor | None = None) -> LossOutput:
+                    pi_full: Tensor | None = None, compiled: bool | None = None) -> LossOutput:
     """Masked, optionally capped, aggregated policy-gradient loss with its per-step metrics.
 
     Args:
@@ -80,6 +80,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         response_mask: [B, T] bool/0-1, padding = 0.
         cfg: the mask section (rule, δ, K, convention, estimator, cap, aggregation).
         mu_full, pi_full: [N, n] full log-probabilities (toys): enable ``exact`` and full KL.
+        compiled: the compiled stats path (see ``token_stats``); default from ``PDM_LAB_COMPILE``.
     """
     check_tensor("advantages", advantages, ndim=2, floating=True)
     check_same(("advantages", "response_mask"), advantages, response_mask)
@@ -87,7 +88,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
     if support.ids.shape[0] != n_tokens:
         raise PDMInputError(f"support has {support.ids.shape[0]} rows but advantages {tuple(advantages.shape)} "
                             f"has {n_tokens} tokens (N must equal B·T)")
-    stats = token_stats(support, pi, mu_full=mu_full, pi_full=pi_full)
+    stats = token_stats(support, pi, mu_full=mu_full, pi_full=pi_full, compiled=compiled)
     adv = advantages.reshape(-1).to(stats.ratio.dtype)
     resp = response_mask.reshape(-1).bool()
     keep = compute_mask(cfg, stats, torch.where(resp, adv, torch.zeros_like(adv)))

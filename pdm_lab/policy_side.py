@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .errors import PDMInputError, check_logp, check_same, check_tensor, raise_at
+from .compiled import maybe_compiled
 from .numerics import masked_logsumexp
 
 #: Elements of one float32 chunk of logits (4 MiB): a few such temporaries bound peak memory.
@@ -49,35 +50,52 @@ def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None) -> int:
 
 def _in_support(ids: Tensor, vocab: int) -> Tensor:
     """[c, V] bool membership; padding (−1) is redirected to a real id of the row, never 0."""
-    fill = ids.max(dim=1, keepdim=True).values.clamp(min=0)
     member = torch.zeros(ids.shape[0], vocab, dtype=torch.bool, device=ids.device)
-    return member.scatter_(1, torch.where(ids >= 0, ids, fill), True)
+    return member.scatter_(1, _pads_to_real(ids), True)
+
+
+def _pads_to_real(ids: Tensor) -> Tensor:
+    # a pad (−1) must never alias a real token: point it at an id of its own row (SPEC §8)
+    fill = ids.max(dim=1, keepdim=True).values.clamp(min=0)
+    return torch.where(ids >= 0, ids, fill)
+
+
+def _chunk_forward(logits: Tensor, ids: Tensor, temperature: float):
+    """One chunk of rows: (log π on ids [c, m], log Z [c], log π_T [c], log Σ_{i∉S} π_i² [c])."""
+    z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    on_support = z.gather(1, ids.clamp(min=0)) - lse[:, None]
+    tail_z = z.scatter(1, _pads_to_real(ids), float("-inf"))  # c·m writes, no [c, V] mask
+    tail = torch.logsumexp(tail_z, dim=-1) - lse
+    sumsq = torch.logsumexp(2.0 * tail_z, dim=-1) - 2.0 * lse
+    return on_support, lse, tail, sumsq
+
+
+def _chunk_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad: Tensor, temperature: float):
+    """d/dz of Σ_j g_j log π_{s_j} = (Σ_j g_j e_{s_j} − (Σ_j g_j) π) / T for one chunk."""
+    probs = torch.exp(logits.to(lse.dtype) / temperature - lse[:, None])
+    out = (-grad.sum(dim=1, keepdim=True)) * probs
+    out = out.scatter_add(1, ids.clamp(min=0), grad.to(out.dtype))
+    return (out / temperature).to(logits.dtype)
 
 
 class _SupportLogProb(torch.autograd.Function):
     """log π on support ids; backward recomputes softmax chunk by chunk (nothing [N, V] is saved)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, rows: int):
-        n, vocab = logits.shape
+    def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, rows: int, compiled: bool | None):
+        n = logits.shape[0]
         out_dtype = _compute_dtype(logits.dtype)
         logp = torch.empty(ids.shape, dtype=out_dtype, device=logits.device)
-        tail = torch.empty(n, dtype=out_dtype, device=logits.device)
-        sumsq = torch.empty(n, dtype=out_dtype, device=logits.device)
-        lse = torch.empty(n, dtype=out_dtype, device=logits.device)
-        safe_ids = ids.clamp(min=0)
+        lse, tail, sumsq = (torch.empty(n, dtype=out_dtype, device=logits.device) for _ in range(3))
+        chunk_forward = maybe_compiled(_chunk_forward, compiled)
         for lo in range(0, n, rows):
             hi = min(lo + rows, n)
-            z = logits[lo:hi].to(out_dtype) / temperature  # the chunk's only [c, V] float buffer
-            lse[lo:hi] = torch.logsumexp(z, dim=-1)
-            z.sub_(lse[lo:hi, None])  # now log π
-            logp[lo:hi] = z.gather(1, safe_ids[lo:hi])
-            z.masked_fill_(_in_support(ids[lo:hi], vocab), float("-inf"))  # keep the tail only
-            tail[lo:hi] = torch.logsumexp(z, dim=-1)
-            sumsq[lo:hi] = torch.logsumexp(z.mul_(2.0), dim=-1)
+            logp[lo:hi], lse[lo:hi], tail[lo:hi], sumsq[lo:hi] = chunk_forward(
+                logits[lo:hi], ids[lo:hi], temperature)
         logp = logp.masked_fill(ids < 0, float("-inf"))
         ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.rows, ctx.compiled = temperature, rows, compiled
         ctx.mark_non_differentiable(tail, sumsq)
         return logp, tail, sumsq
 
@@ -86,15 +104,12 @@ class _SupportLogProb(torch.autograd.Function):
         logits, ids, lse = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         g = grad_logp.masked_fill(ids < 0, 0.0)
-        safe_ids = ids.clamp(min=0)
+        chunk_backward = maybe_compiled(_chunk_backward, ctx.compiled)
         for lo in range(0, logits.shape[0], ctx.rows):
             hi = min(lo + ctx.rows, logits.shape[0])
-            probs = torch.exp(logits[lo:hi].to(lse.dtype) / ctx.temperature - lse[lo:hi, None])
-            # d log π_j / dz = (e_j − π) / T, summed over the support slots j with weights g
-            grad = -g[lo:hi].sum(dim=1, keepdim=True) * probs
-            grad.scatter_add_(1, safe_ids[lo:hi], g[lo:hi].to(grad.dtype))
-            grad_logits[lo:hi] = (grad / ctx.temperature).to(logits.dtype)
-        return grad_logits, None, None, None
+            grad_logits[lo:hi] = chunk_backward(logits[lo:hi], ids[lo:hi], lse[lo:hi], g[lo:hi],
+                                                ctx.temperature)
+        return grad_logits, None, None, None, None
 
 
 def _check_inputs(logits: Tensor, support_ids: Tensor, temperature: float) -> None:
@@ -111,7 +126,7 @@ def _check_inputs(logits: Tensor, support_ids: Tensor, temperature: float) -> No
 
 
 def policy_on_support(logits: Tensor, support_ids: Tensor, *, temperature: float = 1.0,
-                      chunk_size: int | None = None) -> PolicyOnSupport:
+                      chunk_size: int | None = None, compiled: bool | None = None) -> PolicyOnSupport:
     """π = softmax(logits / T) on the support, its tail log-mass and tail sum of squares.
 
     Args:
@@ -120,6 +135,8 @@ def policy_on_support(logits: Tensor, support_ids: Tensor, *, temperature: float
         support_ids: [N, m] int64 support ids (``Support.ids``), −1 at padding.
         temperature: T > 0.
         chunk_size: rows per chunk (default: about 4 MiB of float32 per chunk).
+        compiled: fuse each chunk's math with ``torch.compile`` (default from
+            ``PDM_LAB_COMPILE``); the same functions, tested equal to eager.
 
     Returns:
         PolicyOnSupport in float32 (float64 for float64 logits). Only ``logp`` carries grad.
@@ -129,7 +146,9 @@ def policy_on_support(logits: Tensor, support_ids: Tensor, *, temperature: float
     """
     _check_inputs(logits, support_ids, temperature)
     rows = _chunk_rows(logits.shape[0], logits.shape[1], chunk_size)
-    logp, tail, sumsq = _SupportLogProb.apply(logits, support_ids.long(), float(temperature), rows)
+    if logits.shape[0] == 0:
+        compiled = False
+    logp, tail, sumsq = _SupportLogProb.apply(logits, support_ids.long(), float(temperature), rows, compiled)
     return PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq)
 
 

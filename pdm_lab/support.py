@@ -95,6 +95,18 @@ def _attach_sampled(top_ids: Tensor, top_logp: Tensor, sampled: Tensor, sampled_
     return ids, logp
 
 
+def _head_log_mass(logp: Tensor) -> Tensor:
+    """log Σ_{i∈S} μ_i per row. log(Σ exp) is exact enough while the sum is far from underflow
+    (a head holding μ's top token has mass ≥ 1/n); rows below that fall back to logsumexp."""
+    if logp.shape[1] == 0:
+        return logp.new_full((logp.shape[0],), float("-inf"))
+    head = torch.log(torch.exp(logp).sum(dim=1))
+    small = head < -60.0  # also catches a sum that underflowed to 0 (log → −inf)
+    if bool(small.any()):
+        head = torch.where(small, torch.logsumexp(logp, dim=1), head)
+    return head
+
+
 def support_from_slots(ids: Tensor, mu_logp: Tensor, sampled: Tensor, *, vocab_size: int,
                        mu_tail_logp: Tensor | None = None,
                        mu_kth_logp: Tensor | None = None) -> Support:
@@ -122,12 +134,13 @@ def support_from_slots(ids: Tensor, mu_logp: Tensor, sampled: Tensor, *, vocab_s
     sampled = sampled.long()
     n_rows = ids.shape[0]
     valid = ids >= 0
-    raise_at("support ids", ids < -1, "negative id other than the −1 pad", ids)
-    raise_at("support ids", ids >= vocab_size, f"id out of range [0, {vocab_size})", ids)
+    raise_at("support ids", (ids < -1) | (ids >= vocab_size),
+             f"id out of range [0, {vocab_size}) (−1 pads)", ids)
     raise_at("sampled", (sampled < 0) | (sampled >= vocab_size),
              f"id out of range [0, {vocab_size})", sampled)
     if ids.shape[1] > 1:
-        srt = torch.sort(ids, dim=1).values
+        narrow = ids.to(torch.int32) if vocab_size < 2**31 else ids  # half the bytes to sort
+        srt = torch.sort(narrow, dim=1).values
         dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
         if bool(dup.any()):
             row, col = (int(i) for i in torch.nonzero(dup)[0])
@@ -136,13 +149,15 @@ def support_from_slots(ids: Tensor, mu_logp: Tensor, sampled: Tensor, *, vocab_s
     is_k = ids == sampled[:, None]
     has_k = is_k.any(dim=1)
     raise_at("support ids", ~has_k, "sampled token missing from the support (row index)")
-    mu_logp = mu_logp.masked_fill(~valid, float("-inf"))
+    all_valid = bool(valid.all())
+    if not all_valid:
+        mu_logp = mu_logp.masked_fill(~valid, float("-inf"))
     check_logp("mu_logp", mu_logp)
     k_index = is_k.to(torch.int8).argmax(dim=1)
     mu_logp_k = mu_logp.gather(1, k_index[:, None])[:, 0]
     raise_at("mu_logp", mu_logp_k == float("-inf"),
              "sampled token has zero probability under μ (row index)")
-    head = torch.logsumexp(mu_logp, dim=1) if ids.shape[1] else mu_logp.new_full((n_rows,), -float("inf"))
+    head = _head_log_mass(mu_logp)
     raise_at("mu_logp", head > logp_tolerance(mu_logp.dtype), "top-K mass above 1 (log-mass shown)", head)
     if mu_tail_logp is None:
         mu_tail_logp = log1mexp(head)
@@ -155,7 +170,7 @@ def support_from_slots(ids: Tensor, mu_logp: Tensor, sampled: Tensor, *, vocab_s
     raise_at("support ids", tail_count < 0, "more support ids than the vocabulary has")
     mu_tail_logp = torch.where(tail_count == 0, torch.full_like(mu_tail_logp, float("-inf")), mu_tail_logp)
     if mu_kth_logp is None:
-        others = mu_logp.masked_fill(is_k, float("inf")).masked_fill(~valid, float("inf"))
+        others = mu_logp.masked_fill(is_k | ~valid, float("inf"))
         mu_kth_logp = torch.where(size > 1, others.min(dim=1).values, mu_logp_k)
     return Support(ids=ids, valid=valid, k_index=k_index, mu_logp=mu_logp,
                    mu_tail_logp=mu_tail_logp, mu_kth_logp=mu_kth_logp,
@@ -241,9 +256,12 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
         topk_logp[:, 0] = torch.where(keep, topk_logp[:, 0], torch.zeros_like(sampled_logp))
         sampled = torch.where(keep, sampled, torch.zeros_like(sampled))
         sampled_logp = torch.where(keep, sampled_logp, torch.zeros_like(sampled_logp))
-    check_logp("topk_logp", topk_logp.masked_fill(topk_ids < 0, float("-inf")))
+    topk_pad = topk_ids < 0
+    if bool(topk_pad.any()):
+        topk_logp = topk_logp.masked_fill(topk_pad, float("-inf"))
+    check_logp("topk_logp", topk_logp)
     check_logp("sampled_logp", sampled_logp, allow_neg_inf=False)
-    top_ids, top_logp = _sort_top(topk_ids, topk_logp.masked_fill(topk_ids < 0, float("-inf")))
+    top_ids, top_logp = _sort_top(topk_ids, topk_logp)
     top_ids, top_logp = top_ids[:, :k], top_logp[:, :k]
     count = (top_ids >= 0).sum(dim=1)
     kth = top_logp.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0] if k else None

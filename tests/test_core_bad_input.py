@@ -42,7 +42,7 @@ def test_duplicate_and_out_of_range_and_missing_ids():
     with pytest.raises(PDMInputError, match="duplicate token id 2 in row 1"):
         support_from_topk(torch.tensor([[1, 2], [2, 2]]), torch.full((2, 2), -2.0), torch.tensor([1, 2]),
                           torch.tensor([-2.0, -2.0]), vocab_size=5)
-    with pytest.raises(PDMInputError, match=r"id out of range \[0, 5\) at position \[0, 1\]"):
+    with pytest.raises(PDMInputError, match=r"id out of range \[0, 5\) \(−1 pads\) at position \[0, 1\]"):
         support_from_topk(torch.tensor([[1, 7]]), torch.full((1, 2), -2.0), torch.tensor([1]),
                           torch.tensor([-2.0]), vocab_size=5)
     with pytest.raises(PDMInputError, match="sampled token missing from the support"):

@@ -40,11 +40,12 @@ def test_demo_writes_json(tmp_path):
 
 def test_bench_json_small():
     res = run("bench", "--only", "core", "--tokens", "2000", "--gather-tokens", "4", "--vocab", "5000",
-              "--repeat", "1", "--json")
+              "--repeat", "1", "--eager-only", "--json")
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)
     assert {"name", "value", "unit", "reference", "ratio", "target"} <= set(rows[0])
-    assert all(r["ratio"] > 0 for r in rows)
+    assert all(r["ratio"] >= 0 and r["reference"] > 0 for r in rows)
+    assert any(r["name"].startswith("mask pipeline") for r in rows)
 
 
 def test_unknown_subcommand_fails():

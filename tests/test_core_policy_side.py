@@ -26,6 +26,22 @@ def test_chunked_matches_reference(n, vocab, m, temperature, chunk, seed):
     torch.testing.assert_close(grad_fast, grad_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_gather_equals_eager(dtype):
+    torch.manual_seed(1)
+    for n in (37, 5):  # two sizes: the dynamic-shape graph is reused
+        logits = (torch.randn(n, 3000) * 4).to(dtype).requires_grad_()
+        ids = torch.stack([torch.randperm(3000)[:21] for _ in range(n)])
+        ids[::3, -1] = -1
+        outs = []
+        for compiled in (False, True):
+            pol = policy_on_support(logits, ids, temperature=0.8, chunk_size=4, compiled=compiled)
+            (grad,) = torch.autograd.grad(pol.logp[:, 0].sum(), logits)
+            outs.append((pol.logp, pol.tail_logp, pol.tail_log_sumsq, grad.float()))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_low_precision_logits_computed_in_float32(dtype):
     torch.manual_seed(0)
@@ -46,3 +62,25 @@ def test_tail_far_below_float32_underflow_is_finite():
     out = policy_on_support(logits, torch.tensor([[0]]))
     assert torch.isfinite(out.tail_logp).all() and out.tail_logp.item() < -140
     assert torch.isfinite(out.tail_log_sumsq).all()
+
+
+def test_compiled_stats_equal_eager():
+    """The compiled fast path runs the very same functions; it must agree with eager."""
+    from core_helpers import mismatched_pair, sample_from
+    from pdm_lab.stats import token_stats
+    from pdm_lab.support import support_from_full
+
+    for n_rows in (64, 33):  # a second size exercises the dynamic-shape graph
+        mu, pi = mismatched_pair(n_rows, 300, n_rows, noise=1.0)
+        support = support_from_full(mu, sample_from(mu, 0), k=20)
+        pol = policy_on_support(pi, support.ids)
+        for full in (False, True):
+            kw = {"mu_full": mu, "pi_full": pi} if full else {}
+            a = token_stats(support, pol, compiled=True, **kw)
+            b = token_stats(support, pol, compiled=False, **kw)
+            for field in ("topk_kl", "topk_tv", "binary_kl", "binary_tv", "ratio", "mu_tail", "pi_tail",
+                          "ddot_lower", "ddot_upper"):
+                torch.testing.assert_close(getattr(a, field), getattr(b, field), rtol=1e-12, atol=1e-14)
+            assert a.ddot.keys() == b.ddot.keys()
+            for name in a.ddot:
+                torch.testing.assert_close(a.ddot[name], b.ddot[name], rtol=1e-12, atol=1e-14)
