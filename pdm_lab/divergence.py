@@ -21,7 +21,8 @@ def topk_kl(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp
         mu_tail_logp, pi_tail_logp: [N] log μ_T, log π_T.
     """
     head = xlogy_ratio(mu_logp, pi_logp, mu).sum(dim=-1)
-    return head + xlogy_ratio(mu_tail_logp, pi_tail_logp)
+    # D ≥ 0 exactly (log-sum inequality); rounding can leave −1e-16 when π = μ
+    return (head + xlogy_ratio(mu_tail_logp, pi_tail_logp)).clamp(min=0.0)
 
 
 def topk_tv(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor, *,
@@ -40,9 +41,10 @@ def binary_tv(mu_logp_k: Tensor, pi_logp_k: Tensor) -> Tensor:
 
 def binary_kl(mu_logp_k: Tensor, pi_logp_k: Tensor) -> Tensor:
     """DPPO's binary KL: KL(Bernoulli(μ_k) ‖ Bernoulli(π_k)), the complements via log1mexp."""
-    return xlogy_ratio(mu_logp_k, pi_logp_k) + xlogy_ratio(log1mexp(mu_logp_k), log1mexp(pi_logp_k))
+    kl = xlogy_ratio(mu_logp_k, pi_logp_k) + xlogy_ratio(log1mexp(mu_logp_k), log1mexp(pi_logp_k))
+    return kl.clamp(min=0.0)
 
 
 def full_kl(mu_logp_full: Tensor, pi_logp_full: Tensor) -> Tensor:
     """KL(μ ‖ π) over the whole vocabulary, [N, n] → [N]."""
-    return xlogy_ratio(mu_logp_full, pi_logp_full).sum(dim=-1)
+    return xlogy_ratio(mu_logp_full, pi_logp_full).sum(dim=-1).clamp(min=0.0)
