@@ -1,0 +1,182 @@
+"""``pdm-lab bench`` rows of the scaling stage: the real tiny loop's step split and memory.
+
+* time per RL step split into generate / train / sync (median over the steps after the first,
+  from a real run of ``tiny-cpu.yaml`` with 2 ranks), each as a share of the step time measured in
+  the same run;
+* the mask's share of the step: the time in ``pdm_policy_loss`` (support statistics, Ḋ, mask,
+  surrogate) plus the metrics, against the step; target < 2%;
+* memory of the train-side gather at the loop's vocabulary and a step's worth of tokens: the
+  loop's path (lm_head on the response rows → ``policy_on_support``, optionally chunked with
+  recomputation) against the naive ``log_softmax(lm_head(h) / T).gather(...)``: bytes saved for
+  backward (exact, from autograd's saved-tensor hooks) and peak RSS growth in a fresh process.
+
+Optional attributes on ``args`` (the core's parser need not define them): ``scaling_config``
+(default tiny-cpu.yaml), ``scaling_steps`` (default 8), ``scaling_tokens`` (default: a step's
+response tokens per rank from the run).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-cpu.yaml"
+
+
+def _run_loop(config: Path, steps: int, workdir: Path) -> list[dict]:
+    run_dir = workdir / "run"
+    cmd = [sys.executable, "-m", "pdm_lab.scaling.cli", "train", "--config", str(config),
+           f"total_steps={steps}", "eval.every=0", "checkpoint.every=0", "log.sync_check_every=0",
+           "log.tensorboard=false", f"run_dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_rows(records: list[dict]) -> list[dict]:
+    """Median time split of the steps after the first (engine warm-up)."""
+    recs = [r for r in records if r["step"] > 1]
+    med = {k: statistics.median(r[k] for r in recs) for k in
+           ("time/step_s", "time/generate_s", "time/train_s", "time/sync_s", "time/loss_s", "time/reward_s")}
+    step = med["time/step_s"]
+    rows = []
+    for part in ("generate", "train", "sync", "reward"):
+        v = med[f"time/{part}_s"]
+        rows.append({"name": f"tiny loop: {part} per step (median of {len(recs)} steps)", "value": v * 1e3,
+                     "unit": "ms", "reference": step * 1e3, "ratio": v / step, "target": "share of the step"})
+    share = med["time/loss_s"] / step
+    rows.append({"name": "tiny loop: mask + loss + metrics per step (pdm_policy_loss)",
+                 "value": med["time/loss_s"] * 1e3, "unit": "ms", "reference": step * 1e3,
+                 "ratio": share, "target": "< 0.02 of the step"})
+    return rows
+
+
+def _gather_fn(kind: str, hidden: int, vocab: int, k: int, n: int, chunk: int | None):
+    from .policy_model import _support_chunk
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(n, hidden, generator=gen, requires_grad=True)
+    w = (torch.randn(vocab, hidden, generator=gen) * 0.3).requires_grad_()
+    ids = torch.randint(0, vocab, (n, k + 1), generator=gen)
+
+    def naive():
+        lp = torch.log_softmax((h @ w.t()).float() / 0.7, dim=-1)
+        return lp.gather(1, ids)
+
+    def loop():
+        if chunk is None:
+            return _support_chunk(h, w, ids, 0.7)[0]
+        from torch.utils.checkpoint import checkpoint
+
+        parts = [checkpoint(_support_chunk, h[i:i + chunk], w, ids[i:i + chunk], 0.7, use_reentrant=False)[0]
+                 for i in range(0, n, chunk)]
+        return torch.cat(parts)
+
+    return (naive if kind == "naive" else loop), (h, w)
+
+
+def saved_bytes(kind: str, hidden: int, vocab: int, k: int, n: int, chunk: int | None) -> int:
+    """Bytes autograd keeps for backward (excluding the leaf inputs h and W)."""
+    fn, leaves = _gather_fn(kind, hidden, vocab, k, n, chunk)
+    leaf_storages = {t.untyped_storage().data_ptr() for t in leaves}
+    seen: dict[int, int] = {}
+
+    def pack(t):  # count each storage once; views of the inputs (h chunks) cost nothing extra
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in leaf_storages:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    out[:, 0].sum().backward()
+    return sum(seen.values())
+
+
+def _rss_child(queue, kind, hidden, vocab, k, n, chunk):
+    def status(field):
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+
+    fn, _ = _gather_fn(kind, hidden, vocab, k, n, chunk)
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    base = status("VmRSS")
+    fn()[:, 0].sum().backward()
+    queue.put((status("VmHWM") - base) / 1024.0)
+
+
+def peak_rss_mb(kind, hidden, vocab, k, n, chunk) -> float:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_rss_child, args=(q, kind, hidden, vocab, k, n, chunk))
+    p.start()
+    out = q.get(timeout=600)
+    p.join()
+    return out
+
+
+def gather_rows(hidden: int, vocab: int, k: int, n: int) -> list[dict]:
+    chunk = max(1, n // 8)
+    naive_saved = saved_bytes("naive", hidden, vocab, k, n, None)
+    rows = []
+    for label, c, target in (("loop path", None, "≈ 1 (keeps the [N, V] logits)"),
+                             (f"chunked {chunk}", chunk, "≤ 1/4")):
+        s = saved_bytes("loop", hidden, vocab, k, n, c)
+        rows.append({"name": f"train-side gather N={n} V={vocab} H={hidden}: saved for backward, {label}",
+                     "value": s / 2**20, "unit": "MiB", "reference": naive_saved / 2**20,
+                     "ratio": s / max(naive_saved, 1), "target": target})
+    big = max(n, 65536)
+    naive_rss = peak_rss_mb("naive", hidden, vocab, k, big, None)
+    for label, c in (("loop path", None), ("chunked", big // 8)):
+        r = peak_rss_mb("loop", hidden, vocab, k, big, c)
+        rows.append({"name": f"train-side gather N={big} V={vocab}: peak RSS growth fwd+bwd, {label}",
+                     "value": r, "unit": "MB", "reference": naive_rss, "ratio": r / max(naive_rss, 1e-9),
+                     "target": "≤ 1"})
+    return rows
+
+
+def run_bench(args) -> list[dict]:
+    """Rows {"name","value","unit","reference","ratio","target"} for ``pdm-lab bench``."""
+    from .config import load_config
+
+    config = Path(getattr(args, "scaling_config", None) or CONFIG)
+    steps = int(getattr(args, "scaling_steps", None) or 8)
+    cfg = load_config(config)
+    with tempfile.TemporaryDirectory(prefix="pdm_scaling_bench_") as tmp:
+        records = _run_loop(config, steps, Path(tmp))
+    rows = step_rows(records)
+    train = [r for r in records if r["step"] > 0]
+    tokens = int(getattr(args, "scaling_tokens", None) or
+                 statistics.median(r["tokens/response"] for r in train) / max(1, cfg.launch.nproc_per_node))
+    tiny = cfg.model.tiny
+    hidden, vocab = (tiny.hidden_size, tiny.vocab_size) if tiny else (4096, 151_936)
+    rows += gather_rows(hidden, vocab, cfg.mask.k, max(tokens, 1))
+    return rows
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="pdm_lab.scaling.bench")
+    ap.add_argument("--scaling-config", default=None)
+    ap.add_argument("--scaling-steps", type=int, default=8)
+    ap.add_argument("--scaling-tokens", type=int, default=None)
+    rows = run_bench(ap.parse_args())
+    for r in rows:
+        print(f"{r['name']:<84.84} {r['value']:>10.4g} {r['unit']:>5} {r['reference']:>10.4g} "
+              f"{r['ratio']:>7.3g}  {r['target']}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""``pdm-lab train`` and ``pdm-lab promote``: thin command lines over the scaling library.
+
+    pdm-lab train --config scaling/configs/tiny-cpu.yaml [key.path=value ...] [--dry-run]
+    pdm-lab promote SWEEP_DIR --base scaling/configs/qwen3-4b-base-dapo.yaml --out FILE.yaml
+
+Also runnable without the top-level CLI: ``python -m pdm_lab.scaling.cli train ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pdm_lab.config import ConfigError
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .assets import ModelPathError
+    from .config import load_config
+    from .data import DataError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, OSError) as err:
+        return _fail(f"{args.config}: {err}")
+    if args.dry_run:
+        from .dryrun import DryRunError, dry_run, format_report
+
+        try:
+            report = dry_run(cfg)
+        except (DryRunError, DataError, ModelPathError, ValueError) as err:
+            return _fail(f"dry run of {args.config} failed: {err}")
+        print(format_report(report), end="")
+        print(f"[dry-run] {args.config}: ok")
+        return 0
+    from .launch import launch
+
+    try:
+        return launch(cfg, nproc=args.nproc)
+    except (DataError, ModelPathError) as err:
+        return _fail(str(err))
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from .promote import SweepError, promote
+
+    try:
+        promote(Path(args.sweep_dir), Path(args.base), Path(args.out), criterion=args.criterion,
+                tie_tol=args.tie_tol, keep_base_aggregation=args.keep_base_aggregation)
+    except (SweepError, ConfigError, OSError) as err:
+        return _fail(str(err))
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``train`` and ``promote`` to the ``pdm-lab`` command line."""
+    p = subparsers.add_parser(
+        "train", help="RL training: vLLM rollouts + FSDP2 trainer + the PDM mask (scaling stage)",
+        description="Run (or --dry-run) a full RL training loop from a YAML config. Overrides are "
+                    "key.path=value (YAML values), e.g. total_steps=3 mask.rule=dppo_topk_kl.")
+    p.add_argument("--config", required=True, help="YAML config (see scaling/configs/)")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate config, model config, tokenizer and data; load no weights")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks (default: launch.nproc_per_node); ignored under torchrun")
+    p.set_defaults(func=cmd_train)
+
+    q = subparsers.add_parser(
+        "promote", help="write a full-run config whose mask: section is a toy sweep's best cell",
+        description="Pick the best configuration of a toy sweep (results.json / results.csv) and "
+                    "write it into a full-run config, with provenance.")
+    q.add_argument("sweep_dir", help="toy sweep output directory")
+    q.add_argument("--base", required=True, help="full-run config to start from")
+    q.add_argument("--out", required=True, help="where to write the promoted config")
+    q.add_argument("--criterion", default="reward", choices=["reward"],
+                   help="reward: highest mean final reward among never-collapsed cells, ties → lower unsafe-keep")
+    q.add_argument("--tie-tol", type=float, default=0.0, help="rewards within this are ties (default 0)")
+    q.add_argument("--keep-base-aggregation", action="store_true",
+                   help="keep the base config's mask.aggregation and mask.horizon")
+    q.set_defaults(func=cmd_promote)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdm_lab.scaling.cli")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

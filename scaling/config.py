@@ -1,0 +1,450 @@
+"""The full-run configuration: typed, frozen sections loaded with ``pdm_lab.config``.
+
+One schema for every run, tiny CPU or 30B: the ``mask:`` section is ``pdm_lab.config.MaskConfig``,
+the same type the toy sweeps use, so a promoted toy configuration drops in unchanged. Unknown keys
+are errors naming the nearest valid key (``pdm_lab.config.from_dict``). Defaults follow the paper's
+setup (SPEC §7) where it states one; the tiny config overrides what a CPU can afford.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from pdm_lab.config import ConfigError, MaskConfig, apply_overrides, from_dict, to_dict
+
+PRECISIONS = ("fp32", "bf16", "fp8")
+TRAIN_DTYPES = ("fp32", "bf16")
+
+
+def _check_choice(where: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ConfigError(f"{where}: unknown value {value!r}; valid: {', '.join(valid)}")
+
+
+def _check_positive(where: str, value: float | int | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{where}: must be {'≥' if allow_zero else '>'} 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelConfig:
+    """A random Qwen3 built locally (CPU tests and the tiny run)."""
+
+    hidden_size: int = 64
+    """Model width."""
+    num_hidden_layers: int = 2
+    """Decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """KV heads (GQA)."""
+    head_dim: int = 32
+    """Per-head width; vLLM's CPU attention supports 32, 64, 80, ... (not 16)."""
+    intermediate_size: int = 128
+    """MLP width."""
+    vocab_size: int = 512
+    """Tokenizer and embedding size (byte-level BPE trained locally)."""
+    max_position_embeddings: int = 256
+    """Longest prompt + response."""
+    init_std: float = 0.02
+    """Initialiser standard deviation."""
+    seed: int = 0
+    """Seed of the weights and the warm-up batches."""
+    sft_steps: int = 400
+    """Supervised warm-up steps on the task before RL (0: none; gives LLM-like peaked π)."""
+    sft_lr: float = 3e-3
+    """Warm-up peak learning rate (cosine to 10%)."""
+    sft_batch_size: int = 64
+    """Warm-up batch size."""
+    sft_noise: float = 0.0
+    """Fraction of warm-up answers with one character replaced at random: the warmed-up policy
+    is then right only part of the time at temperature 1 (as a base LLM is), and RL has
+    something to sharpen."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sft_noise < 1.0:
+            raise ConfigError(f"model.tiny.sft_noise: must be in [0, 1), got {self.sft_noise}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The policy: a local Hugging Face directory, or a tiny model built on first use."""
+
+    path: str | None = None
+    """Local directory with config.json, tokenizer and safetensors (never a hub id)."""
+    tiny: TinyModelConfig | None = None
+    """Build a tiny random Qwen3 instead of reading ``path``."""
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.tiny is None):
+            raise ConfigError("model: set exactly one of model.path (a local directory) or model.tiny")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticTaskConfig:
+    """A synthetic verifiable task written to JSONL in the cache (``scaling/tasks.py``)."""
+
+    name: str = "add"
+    """Task: add, copy, reverse, sort."""
+    n_train: int = 4000
+    """Training prompts."""
+    n_eval: int = 128
+    """Held-out evaluation prompts (disjoint from training)."""
+    seed: int = 1234
+    """Seed of the generated prompts."""
+    max_value: int = 100
+    """``add``: operands in [0, max_value)."""
+    length: int = 3
+    """copy/reverse/sort: digits per prompt (length − 1 to length)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Prompt files (JSONL or parquet) and how to read a row."""
+
+    train_files: tuple[str, ...] = ()
+    """Training prompt files (.jsonl / .parquet), relative to the working directory."""
+    eval_files: tuple[str, ...] = ()
+    """Held-out sets; each reported as ``eval/<file stem>/avg@k``."""
+    prompt_key: str = "prompt"
+    """Row field with the prompt: a string, or a chat message list [{role, content}]. Dots nest."""
+    answer_key: str = "answer"
+    """Row field with the reference answer; dots nest (DAPO parquet: reward_model.ground_truth)."""
+    prompt_template: str = "{prompt}"
+    """Applied to string prompts before the chat template; ``{prompt}`` is the row's text."""
+    eval_prompt_key: str | None = None
+    """prompt_key for the eval files when their schema differs (AIME sets: ``problem``)."""
+    eval_answer_key: str | None = None
+    """answer_key for the eval files (None: same as answer_key)."""
+    eval_prompt_template: str | None = None
+    """prompt_template for the eval files (None: same as prompt_template)."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (add_generation_prompt=True)."""
+    max_prompt_tokens: int = 1024
+    """Longer prompts are dropped at load time (counted and reported)."""
+    on_bad_row: str = "error"
+    """A row that cannot be read: ``error`` (stop, naming file and line) or ``skip`` (log, count)."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (seeded)."""
+    synthetic: SyntheticTaskConfig | None = None
+    """Generate a synthetic task instead of reading train_files/eval_files."""
+
+    def __post_init__(self) -> None:
+        _check_choice("data.on_bad_row", self.on_bad_row, ("error", "skip"))
+        if self.synthetic is None and not self.train_files:
+            raise ConfigError("data: give data.train_files or data.synthetic")
+        for name in ("prompt_template", "eval_prompt_template"):
+            value = getattr(self, name)
+            if value is not None and "{prompt}" not in value:
+                raise ConfigError(f"data.{name}: must contain {{prompt}}")
+
+    def for_eval(self) -> "DataConfig":
+        """This section with the eval-specific keys and template in force."""
+        return dataclasses.replace(
+            self, prompt_key=self.eval_prompt_key or self.prompt_key,
+            answer_key=self.eval_answer_key or self.answer_key,
+            prompt_template=self.eval_prompt_template or self.prompt_template)
+        _check_positive("data.max_prompt_tokens", self.max_prompt_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """The vLLM behaviour policy μ. K (log-probs per token) is ``mask.k``."""
+
+    prompts_per_step: int = 256
+    """Prompts per RL step, over all ranks (paper recipe: 256)."""
+    group_size: int = 16
+    """G, samples per prompt (GRPO group; paper recipe: 16)."""
+    temperature: float = 1.0
+    """Sampling temperature; π is computed at the same temperature (SPEC §1)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0: off). Cut tokens come back as −inf processed log-probs."""
+    top_k: int = -1
+    """Top-k sampling (−1: off)."""
+    max_tokens: int = 8192
+    """Response budget."""
+    precision: str = "fp32"
+    """Weights pushed to vLLM: fp32, bf16, or fp8 (e4m3, block-wise scales)."""
+    fp8_mode: str = "simulate"
+    """fp8 only: ``simulate`` (quantise-dequantise the pushed weights; any device) or ``native``
+    (vLLM's own FP8 kernels, ``quantization="fp8"``; GPU only, untested here)."""
+    fp8_block: int = 128
+    """fp8 only: block size of the block-wise scales (DeepSeek-V3 style 128×128)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism inside each data-parallel group (ranks per engine)."""
+    kv_cache_gib: float = 0.25
+    """KV-cache memory per engine (CPU needs it set; on GPU ``gpu_memory_utilization`` rules)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: fraction of device memory vLLM may take (colocated with the trainer)."""
+    enforce_eager: bool = True
+    """No compilation / CUDA graphs (fast start; CPU needs it for a quick tiny run)."""
+    enable_prefix_caching: bool = False
+    """Prefix cache (reset after every weight sync either way)."""
+    max_num_seqs: int = 256
+    """vLLM scheduler batch limit."""
+    max_model_len: int | None = None
+    """Context length (default: longest prompt + max_tokens)."""
+    seed: int = 0
+    """Offset added to the run seed for sampling seeds (per step, per rank, per prompt)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("rollout.precision", self.precision, PRECISIONS)
+        _check_choice("rollout.fp8_mode", self.fp8_mode, ("simulate", "native"))
+        for name in ("prompts_per_step", "group_size", "max_tokens", "tensor_parallel_size",
+                     "max_num_seqs", "fp8_block", "temperature", "kv_cache_gib"):
+            _check_positive(f"rollout.{name}", getattr(self, name))
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """FSDP2 trainer and optimiser (one PPO epoch per rollout batch, SPEC §7)."""
+
+    lr: float = 1e-6
+    """AdamW learning rate (paper recipe: 1e-6)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, ...] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up in optimiser steps."""
+    grad_clip: float | None = 1.0
+    """Global gradient-norm clip (None: off)."""
+    mini_batches: int = 8
+    """Optimiser steps per rollout batch (paper recipe: 8); one pass over the data."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on each rank (gradient accumulation inside a mini-batch)."""
+    param_dtype: str = "fp32"
+    """Compute dtype of the trainer (FSDP MixedPrecisionPolicy); master weights stay fp32."""
+    reduce_dtype: str = "fp32"
+    """Gradient reduce-scatter dtype."""
+    logits_chunk_tokens: int | None = None
+    """Compute lm_head + π on the support this many tokens at a time, recomputing in backward,
+    so no [N, V] logits tensor lives across the step (None: one chunk)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder layers in backward."""
+
+    def __post_init__(self) -> None:
+        _check_choice("trainer.param_dtype", self.param_dtype, TRAIN_DTYPES)
+        _check_choice("trainer.reduce_dtype", self.reduce_dtype, TRAIN_DTYPES)
+        _check_positive("trainer.lr", self.lr)
+        _check_positive("trainer.mini_batches", self.mini_batches)
+        _check_positive("trainer.micro_batch_size", self.micro_batch_size)
+        _check_positive("trainer.logits_chunk_tokens", self.logits_chunk_tokens)
+        _check_positive("trainer.grad_clip", self.grad_clip)
+        if len(self.betas) != 2:
+            raise ConfigError(f"trainer.betas: expected two numbers, got {list(self.betas)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+    """Advantages (GRPO group normalisation)."""
+
+    norm_by_std: bool = True
+    """Divide by the group's standard deviation (GRPO); False: mean-centred only (Dr. GRPO)."""
+    std_eps: float = 1e-6
+    """Added to the standard deviation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """The verifier that scores a response against the row's answer."""
+
+    verifier: str = "math"
+    """``math`` (boxed / "Answer:" extraction + equivalence), ``exact``, or ``module:function``."""
+    on_error: str = "skip"
+    """If the verifier raises: ``skip`` (sample leaves the loss, logged) or ``error`` (stop)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("reward.on_error", self.on_error, ("skip", "error"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Periodic evaluation: avg@k accuracy on the held-out prompts."""
+
+    every: int = 10
+    """Evaluate every this many steps (0: never); also before the first step if ``at_start``."""
+    k: int = 16
+    """Samples per prompt (avg@k; paper: AIME avg@16)."""
+    temperature: float = 1.0
+    """Evaluation sampling temperature."""
+    max_tokens: int | None = None
+    """Response budget (default: rollout.max_tokens)."""
+    max_prompts: int | None = None
+    """Evaluate only the first this many prompts per set (None: all)."""
+    at_start: bool = True
+    """Also evaluate the initial policy (step 0)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("eval.every", self.every, allow_zero=True)
+        _check_positive("eval.k", self.k)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """torch.distributed.checkpoint snapshots with exact resume."""
+
+    every: int = 10
+    """Save every this many steps (0: only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep."""
+    resume: str = "auto"
+    """``auto`` (latest complete checkpoint of run_dir, if any), ``never``, or a checkpoint path."""
+
+    def __post_init__(self) -> None:
+        _check_positive("checkpoint.every", self.every, allow_zero=True)
+        _check_positive("checkpoint.keep_last", self.keep_last)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """Metrics output (JSONL always, TensorBoard optionally) and the weight-sync check."""
+
+    tensorboard: bool = True
+    """Also write TensorBoard event files under run_dir/tb."""
+    sync_check_every: int = 0
+    """Every this many steps, score a fixed sequence with vLLM after the sync and compare with
+    the trainer's log-probs (``sync/logp_max_abs_err``); 0: never."""
+    print_every: int = 1
+    """Progress line every this many steps."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How ``pdm-lab train`` starts the ranks when not already under torchrun."""
+
+    nproc_per_node: int = 1
+    """Ranks to start on this machine (each holds an FSDP shard and a vLLM engine)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl with CUDA, else gloo), gloo, nccl."""
+
+    def __post_init__(self) -> None:
+        _check_positive("launch.nproc_per_node", self.nproc_per_node)
+        _check_choice("launch.backend", self.backend, ("auto", "gloo", "nccl"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    """Where a promoted configuration came from (written by ``pdm-lab promote``)."""
+
+    sweep_dir: str = ""
+    """The toy sweep directory."""
+    cell_id: str = ""
+    """The chosen cell."""
+    criterion: str = ""
+    """How it was chosen."""
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The chosen cell's metric values (means over seeds)."""
+    code_version: str = ""
+    """git describe of the code that promoted it."""
+    base_config: str = ""
+    """The base config the mask section was put into."""
+    created: str = ""
+    """UTC timestamp."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A full RL run: prompts → vLLM → verifier → GRPO advantages → FSDP2 + PDM loss → sync."""
+
+    model: ModelConfig
+    """The policy (required)."""
+    data: DataConfig
+    """Prompts and answers (required)."""
+    name: str = "run"
+    """Run name (TensorBoard tag, default run_dir)."""
+    run_dir: str | None = None
+    """Output directory (metrics, checkpoints, resolved config); default runs/<name>."""
+    seed: int = 0
+    """Seed of data order, sampling and initialisation of anything random."""
+    total_steps: int = 100
+    """RL steps (one rollout batch each)."""
+    plugins: tuple[str, ...] = ()
+    """Modules imported before anything else (to register mask rules or verifiers)."""
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    """The vLLM behaviour policy."""
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    """FSDP2 trainer and optimiser."""
+    algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
+    """Advantages."""
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    """Verifier."""
+    mask: MaskConfig = dataclasses.field(default_factory=MaskConfig)
+    """The trust-region mask and loss: the same type as the toy sweeps' (pdm_lab.config)."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Periodic evaluation."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    """Metrics output."""
+    launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
+    """Local process launch."""
+    provenance: Provenance | None = None
+    """Set by ``pdm-lab promote``; informational."""
+
+    def __post_init__(self) -> None:
+        _check_positive("total_steps", self.total_steps)
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Load a TrainConfig from YAML plus ``key.path=value`` overrides (``yaml.safe_load`` only).
+
+    ``plugins`` listed in the file or the overrides are imported first, so a plugin may register
+    a mask rule that the ``mask:`` section then names.
+    """
+    import yaml
+
+    with open(path, encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides)
+    import_plugins(raw.get("plugins") or ())
+    return from_dict(TrainConfig, raw)
+
+
+def import_plugins(modules: Any) -> None:
+    """Import each plugin module (a dotted name, or a path to a .py file)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if isinstance(modules, str):
+        modules = [modules]
+    for mod in modules:
+        if str(mod).endswith(".py"):
+            name = f"pdm_lab_plugin_{Path(mod).stem}"
+            if name in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(name, mod)
+            if spec is None or spec.loader is None:
+                raise ConfigError(f"plugins: cannot import {mod!r}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(mod)
+
+
+def config_to_dict(cfg: TrainConfig) -> dict:
+    """Plain dict for YAML/JSON (``pdm_lab.config.to_dict``)."""
+    return to_dict(cfg)
+
+
+def save_config(cfg: TrainConfig, path: str | Path, header: str = "") -> None:
+    """Write the resolved config as YAML (loads back to an equal TrainConfig)."""
+    import yaml
+
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+    Path(path).write_text((header + "\n" if header else "") + text, encoding="utf-8")

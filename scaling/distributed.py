@@ -1,0 +1,94 @@
+"""Process group and rank layout of a run.
+
+Under ``torchrun`` the usual environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) is
+there; a plain single process gets a world of one with the same code path (vLLM's external
+launcher reads the same variables). Backends: gloo on CPU; ``cpu:gloo,cuda:nccl`` on GPU so
+metric reductions on CPU tensors and FSDP's collectives on GPU tensors both have a backend.
+
+Layout: ranks form data-parallel groups of ``rollout.tensor_parallel_size`` consecutive ranks.
+Group ``dp_rank`` rolls out its slice of the step's prompts; inside a group the engines run the
+same requests (tensor parallel) and each rank trains on its ``tp_rank``-th part of the sequences.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    rank: int
+    world: int
+    local_rank: int
+    tp: int
+    device: torch.device
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str, tensor_parallel_size: int) -> Layout:
+    """Initialise the default process group (idempotent) and return the rank layout."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        if backend == "auto":
+            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tensor_parallel_size:
+        raise ValueError(f"world size {world} is not a multiple of rollout.tensor_parallel_size "
+                         f"{tensor_parallel_size}")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return Layout(rank=rank, world=world, local_rank=local_rank, tp=tensor_parallel_size, device=device)
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,91 @@
+"""``pdm-lab train --dry-run``: check everything a run would load, without loading the weights.
+
+Checks: the config (already typed and validated by loading), the model directory (config.json is
+a causal LM, weights present, vLLM-compatible head_dim on CPU), the tokenizer and its chat
+template, every row of every prompt file (the same reader and tokeniser as the run), the
+verifier, the batch layout for ``launch.nproc_per_node`` ranks, and that the longest prompt plus
+the response budget fits the model's context. Returns a report; raises on the first hard error.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .assets import check_model_config, data_files, load_data, load_tokenizer, model_dir
+from .config import TrainConfig
+from .data import DataError
+from .distributed import Layout
+from .loop import check_layout
+from .tasks import sample_examples
+from .verifiers import get_verifier
+
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+class DryRunError(ValueError):
+    """A config that would fail at run time."""
+
+
+def dry_run(cfg: TrainConfig, *, log=print) -> dict:
+    """Validate ``cfg`` as far as possible without GPUs or weights in memory."""
+    report: dict = {"config": "ok", "mask": dataclasses.asdict(cfg.mask)}
+    lay = Layout(rank=0, world=cfg.launch.nproc_per_node, local_rank=0,
+                 tp=cfg.rollout.tensor_parallel_size, device=torch.device("cpu"))
+    if lay.world % lay.tp:
+        raise DryRunError(f"launch.nproc_per_node={lay.world} is not a multiple of "
+                          f"rollout.tensor_parallel_size={lay.tp}")
+    try:
+        report["sequences_per_rank"] = check_layout(cfg, lay)
+    except ValueError as err:
+        raise DryRunError(str(err)) from None
+    get_verifier(cfg.reward.verifier)
+    report["verifier"] = cfg.reward.verifier
+
+    if cfg.model.tiny is not None:
+        syn = cfg.data.synthetic
+        if syn is None:
+            raise DryRunError("model.tiny needs data.synthetic")
+        sample_examples(syn.name, 4, seed=syn.seed, max_value=syn.max_value, length=syn.length)
+        report["model"] = {"tiny": dataclasses.asdict(cfg.model.tiny), "note": "built on first use"}
+        report["data"] = {"synthetic": dataclasses.asdict(syn)}
+        return report
+
+    path = model_dir(cfg)
+    info = check_model_config(path)
+    report["model"] = {"path": str(path), **info}
+    if not info["has_safetensors"]:
+        raise DryRunError(f"model.path: {path} has no *.safetensors weights")
+    if not torch.cuda.is_available() and info["head_dim"] not in CPU_HEAD_DIMS:
+        log(f"[dry-run] note: head_dim {info['head_dim']} has no vLLM CPU attention kernel; "
+            "this config needs a GPU")
+    if cfg.mask.k > info["vocab_size"]:
+        raise DryRunError(f"mask.k={cfg.mask.k} exceeds the vocabulary ({info['vocab_size']})")
+    tokenizer = load_tokenizer(path)
+    if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DryRunError(f"data.apply_chat_template is true but the tokenizer in {path} has no chat template")
+
+    train_files, eval_files = data_files(cfg)
+    train, evals, reports = load_data(cfg, tokenizer, log=log)
+    longest = max(len(r.prompt_ids) for rows in [train, *evals.values()] for r in rows)
+    need = longest + max(cfg.rollout.max_tokens, cfg.eval.max_tokens or 0)
+    ctx = cfg.rollout.max_model_len or need
+    if info["max_position_embeddings"] and ctx > info["max_position_embeddings"]:
+        raise DryRunError(f"longest prompt ({longest}) + response budget needs {ctx} tokens, more than "
+                          f"the model's max_position_embeddings ({info['max_position_embeddings']})")
+    if len(train) < cfg.rollout.prompts_per_step:
+        raise DryRunError(f"{len(train)} usable training prompts, fewer than rollout.prompts_per_step="
+                          f"{cfg.rollout.prompts_per_step}")
+    report["data"] = {"train_files": [str(p) for p in train_files], "train_prompts": len(train),
+                      "eval_sets": {k: len(v) for k, v in evals.items()},
+                      "longest_prompt_tokens": longest, "files": reports}
+    return report
+
+
+def format_report(report: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(report, sort_keys=False, allow_unicode=True)
+
+
+__all__ = ["dry_run", "DryRunError", "format_report", "DataError"]

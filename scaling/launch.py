@@ -1,0 +1,66 @@
+"""Start the ranks of a run: in this process, or under ``torchrun`` on this machine.
+
+``pdm-lab train`` resolves the config (file + overrides) once, writes it to
+``run_dir/launch.yaml`` and, for ``launch.nproc_per_node > 1``, starts
+
+    python -m torch.distributed.run --standalone --nproc_per_node N \\
+        -m pdm_lab.scaling.loop --config run_dir/launch.yaml
+
+Already inside torchrun (RANK is set, e.g. a multi-node launch, see ``scaling/README.md``), it
+runs the loop directly. torchrun stays in this process's group: Ctrl-C (or a signal to the
+group) reaches it and every rank together.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import TrainConfig, save_config
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_command(config_path: Path, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", "-m", "pdm_lab.scaling.loop", "--config", str(config_path)]
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Fail fast, in one process, on what every rank would fail on: a missing model directory
+    or prompt file. Builds the tiny model and synthetic data once, before the ranks start."""
+    from .assets import check_model_config, data_files, model_dir
+
+    check_model_config(model_dir(cfg))
+    data_files(cfg)
+
+
+def launch(cfg: TrainConfig, nproc: int | None = None) -> int:
+    """Run training with ``nproc`` local ranks (default ``launch.nproc_per_node``). Exit code."""
+    from .loop import run_training
+
+    nproc = nproc or cfg.launch.nproc_per_node
+    if under_torchrun():
+        run_training(cfg)
+        return 0
+    preflight(cfg)
+    if nproc == 1:
+        run_training(cfg)
+        return 0
+    run_dir = cfg.resolved_run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = run_dir / "launch.yaml"
+    save_config(cfg, resolved, header="# config as launched (file + overrides), read by every rank")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    proc = subprocess.Popen(torchrun_command(resolved, nproc), env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # the terminal sent SIGINT to torchrun too; let it stop its ranks
+        proc.send_signal(signal.SIGINT)
+        return proc.wait()

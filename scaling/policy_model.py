@@ -1,0 +1,112 @@
+"""The trainer's policy π: a Hugging Face causal LM under FSDP2, returning π on the support.
+
+``PolicyModel.forward`` runs the decoder, keeps only the hidden states that predict response
+tokens, applies ``lm_head`` to those rows alone and hands the logits to
+``pdm_lab.policy_side.policy_on_support`` at the rollout temperature (SPEC §1). With
+``trainer.logits_chunk_tokens`` the lm_head + support gather run chunk by chunk under activation
+checkpointing, so no [N, V] logits tensor survives into backward (the train-side memory story of
+the bench).
+
+Sharding: ``fully_shard`` on each decoder layer, then on the wrapper (root: embeddings, final
+norm, lm_head), over gloo on CPU or nccl on GPU.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from pdm_lab.policy_side import policy_on_support
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PREFIX = "lm."  # parameter-name prefix the wrapper adds to the HF names
+
+
+def _support_chunk(h: Tensor, weight: Tensor, ids: Tensor, temperature: float):
+    logits = h @ weight.t()  # [c, V] in the compute dtype
+    pi = policy_on_support(logits, ids, temperature=temperature)
+    return pi.logp, pi.tail_logp, pi.tail_log_sumsq
+
+
+class PolicyModel(nn.Module):
+    """Wraps ``lm`` (``*ForCausalLM``): π on given support ids at given positions."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm.config.vocab_size
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
+                support_ids: Tensor, temperature: float, chunk_tokens: int | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """π on the support at selected positions.
+
+        Args:
+            input_ids: [b, L] prompt + response, right-padded.
+            attention_mask: [b, L] 1 on real tokens.
+            positions: [N] flat indices into b·L of the hidden states that predict each
+                response token (the position before it).
+            support_ids: [N, m] support ids per response token (−1 pad).
+            temperature: rollout temperature T.
+            chunk_tokens: rows per lm_head chunk, recomputed in backward (None: one pass).
+
+        Returns:
+            (logp [N, m] differentiable, tail_logp [N], tail_log_sumsq [N]): the fields of
+            ``PolicyOnSupport``, as a tuple so FSDP sees the tensors it must hook for backward.
+        """
+        hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        h = hidden.reshape(-1, hidden.shape[-1])[positions]  # [N, H]
+        weight = self.lm.lm_head.weight
+        if chunk_tokens is None or h.shape[0] <= chunk_tokens:
+            return _support_chunk(h, weight, support_ids, temperature)
+        parts = [checkpoint(_support_chunk, h[i:i + chunk_tokens], weight,
+                            support_ids[i:i + chunk_tokens], temperature, use_reentrant=False)
+                 for i in range(0, h.shape[0], chunk_tokens)]
+        return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
+
+
+def load_lm(model_dir: str, *, seed: int):
+    """The HF causal LM in float32 (master weights), eval-free training mode, no KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lm.config.use_cache = False
+    lm.train()
+    return lm
+
+
+def shard_policy(lm: nn.Module, *, param_dtype: str, reduce_dtype: str,
+                 gradient_checkpointing: bool) -> PolicyModel:
+    """FSDP2: ``fully_shard`` every decoder layer, then the root wrapper."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    policy = PolicyModel(lm)
+    for layer in lm.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(policy, mp_policy=mp)
+    return policy
+
+
+def is_tied(lm: nn.Module) -> bool:
+    return bool(getattr(lm.config, "tie_word_embeddings", False))
+
+
+@torch.no_grad()
+def sequence_logprobs(policy: PolicyModel, token_ids: list[int]) -> Tensor:
+    """log π(token_t | <t) at T = 1 for a fixed sequence, t = 1..L−1 (the sync check). [L−1]
+
+    Collective under FSDP: every rank must call it.
+    """
+    ids = torch.tensor([token_ids], dtype=torch.long)
+    n = len(token_ids) - 1
+    positions = torch.arange(n)
+    support = torch.tensor(token_ids[1:], dtype=torch.long)[:, None]
+    logp, _, _ = policy(ids, torch.ones_like(ids), positions, support, 1.0)
+    return logp[:, 0].double()

@@ -1,0 +1,216 @@
+"""The behaviour policy μ: a vLLM offline engine inside each rank, and its output as tensors.
+
+Layout (``shared/notes/vllm-fsdp-cpu.md``): every torchrun rank builds its own in-process engine
+with ``distributed_executor_backend="external_launcher"``; ranks are split into data-parallel
+groups of ``rollout.tensor_parallel_size``. A data-parallel group rolls out its own prompts; the
+ranks of one tensor-parallel group run the same requests in lock-step and get identical outputs.
+(An in-process engine on rank 0 only hangs: vLLM joins the existing process group collectively.)
+
+μ is what the engine sampled from: ``logprobs_mode="processed_logprobs"`` (log_softmax of the
+temperature-scaled, top-k/top-p-filtered logits; −inf where cut) with ``flat_logprobs`` so that
+each position's K+1 entries (the sampled token first, then the top-K) reshape straight into
+tensors without building a Python dict per token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def set_engine_env() -> None:
+    """Environment vLLM must see before import: in-process engine core (fast start, tensors
+    through ``collective_rpc``, deterministic external-launcher execution)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def engine_dtype(precision: str) -> str:
+    """vLLM compute dtype for a rollout precision (fp8 rolls out bf16 activations over fp8 weights)."""
+    return {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[precision]
+
+
+def make_engine(model_dir: str, rollout_cfg, *, k: int, max_model_len: int, seed: int,
+                data_parallel_size: int, distributed: bool):
+    """Build the in-process vLLM engine of this rank.
+
+    Args:
+        model_dir: local Hugging Face directory (weights are replaced by the first sync anyway).
+        rollout_cfg: the ``rollout`` config section.
+        k: log-probs per position (``mask.k``).
+        max_model_len: prompt + response context.
+        seed: engine seed (sampling uses per-request seeds on top).
+        data_parallel_size: world_size / tensor_parallel_size.
+        distributed: True under torchrun (external launcher); False for a single process.
+    """
+    set_engine_env()
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        model=model_dir, tokenizer=model_dir, dtype=engine_dtype(rollout_cfg.precision),
+        enforce_eager=rollout_cfg.enforce_eager, logprobs_mode="processed_logprobs",
+        max_logprobs=max(k, 20), seed=seed, max_model_len=max_model_len,
+        enable_prefix_caching=rollout_cfg.enable_prefix_caching,
+        max_num_seqs=rollout_cfg.max_num_seqs, tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+    )
+    if distributed:
+        kwargs.update(distributed_executor_backend="external_launcher")
+        if data_parallel_size > 1:
+            kwargs.update(data_parallel_size=data_parallel_size)
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=rollout_cfg.gpu_memory_utilization)
+    else:
+        # the CPU backend reserves 90% of RAM by default and refuses to start: size it explicitly
+        kwargs.update(kv_cache_memory_bytes=int(rollout_cfg.kv_cache_gib * (1 << 30)))
+    if rollout_cfg.precision == "fp8" and rollout_cfg.fp8_mode == "native":
+        kwargs.update(quantization="fp8")
+    llm = LLM(**kwargs)
+    # every in-place reload warns that the rotary embedding (no weights) got none: expected
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    return llm
+
+
+def request_seed(*parts: int | str) -> int:
+    """A 31-bit seed from a tuple (run seed, purpose, step, prompt index, ...): stable across runs,
+    so a resumed run samples exactly what the uninterrupted one did."""
+    blob = "/".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFF_FFFF
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One rank's rollouts: B = prompts × G sequences, T = longest response.
+
+    Attributes:
+        prompt_ids: B lists of prompt token ids.
+        response_ids: [B, T] int64 sampled tokens (0 at padding).
+        response_mask: [B, T] bool, True on response tokens (incl. the end-of-turn token).
+        sampled_logp: [B, T] float32 log μ_k (0 at padding).
+        topk_ids: [B, T, K] int64 μ's top-K ids (−1 at padding).
+        topk_logp: [B, T, K] float32 their processed log-probs (−inf at padding / cut tokens).
+        group: [B] int64 prompt index within this rank's batch (GRPO groups).
+        truncated: [B] bool, stopped by the length budget.
+        texts: B decoded responses (for the verifier).
+        answers: B reference answers.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: Tensor
+    response_mask: Tensor
+    sampled_logp: Tensor
+    topk_ids: Tensor
+    topk_logp: Tensor
+    group: Tensor
+    truncated: Tensor
+    texts: list[str]
+    answers: list[str]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def select(self, idx: Sequence[int]) -> "RolloutBatch":
+        """Rows ``idx`` (keeps T)."""
+        ix = torch.as_tensor(list(idx), dtype=torch.long)
+        return RolloutBatch(
+            prompt_ids=[self.prompt_ids[i] for i in idx], response_ids=self.response_ids[ix],
+            response_mask=self.response_mask[ix], sampled_logp=self.sampled_logp[ix],
+            topk_ids=self.topk_ids[ix], topk_logp=self.topk_logp[ix], group=self.group[ix],
+            truncated=self.truncated[ix], texts=[self.texts[i] for i in idx],
+            answers=[self.answers[i] for i in idx])
+
+
+def _flat_to_arrays(flat, length: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """FlatLogprobs of one completion → ids [T, K+1], logp [T, K+1] (column 0: the sampled token)."""
+    ids = np.asarray(flat.token_ids, dtype=np.int64)
+    lps = np.asarray(flat.logprobs, dtype=np.float32)
+    if ids.size != length * (k + 1):
+        raise RuntimeError(f"vLLM returned {ids.size} log-prob entries for {length} tokens, "
+                           f"expected {k + 1} per token (is max_logprobs ≥ {k}?)")
+    return ids.reshape(length, k + 1), lps.reshape(length, k + 1)
+
+
+def outputs_to_batch(outputs, prompt_ids: list[list[int]], answers: list[str], *, k: int,
+                     tokenizer) -> RolloutBatch:
+    """Turn ``LLM.generate`` outputs (one RequestOutput per prompt, n completions each) into a
+    RolloutBatch, sequence order: prompt-major, then sample."""
+    rows = []
+    for p, (out, pids, ans) in enumerate(zip(outputs, prompt_ids, answers)):
+        for comp in out.outputs:
+            toks = list(comp.token_ids)
+            ids, lps = _flat_to_arrays(comp.logprobs, len(toks), k)
+            if len(toks) and not np.array_equal(ids[:, 0], np.asarray(toks)):
+                raise RuntimeError("vLLM log-prob entries do not start with the sampled token")
+            rows.append((p, pids, ans, toks, ids, lps, comp.finish_reason == "length"))
+    n = len(rows)
+    width = max([len(r[3]) for r in rows] + [1])
+    response_ids = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.bool)
+    sampled_logp = torch.zeros(n, width, dtype=torch.float32)
+    topk_ids = torch.full((n, width, k), -1, dtype=torch.long)
+    topk_logp = torch.full((n, width, k), float("-inf"), dtype=torch.float32)
+    for i, (_, _, _, toks, ids, lps, _) in enumerate(rows):
+        t = len(toks)
+        if t == 0:
+            continue
+        response_ids[i, :t] = torch.as_tensor(toks)
+        mask[i, :t] = True
+        sampled_logp[i, :t] = torch.from_numpy(lps[:, 0])
+        topk_ids[i, :t] = torch.from_numpy(ids[:, 1:])
+        topk_logp[i, :t] = torch.from_numpy(lps[:, 1:])
+    texts = tokenizer.batch_decode([r[3] for r in rows], skip_special_tokens=True)
+    return RolloutBatch(
+        prompt_ids=[list(r[1]) for r in rows], response_ids=response_ids, response_mask=mask,
+        sampled_logp=sampled_logp, topk_ids=topk_ids, topk_logp=topk_logp,
+        group=torch.tensor([r[0] for r in rows], dtype=torch.long),
+        truncated=torch.tensor([r[6] for r in rows], dtype=torch.bool),
+        texts=texts, answers=[r[2] for r in rows])
+
+
+def sampling_params(*, n: int, temperature: float, top_p: float, top_k: int, max_tokens: int,
+                    logprobs: int | None, seed: int, stop_token_ids: list[int]):
+    """SamplingParams for rollouts: token ids only (no detokenisation), flat log-probs."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                          max_tokens=max_tokens, logprobs=logprobs, seed=seed, detokenize=False,
+                          flat_logprobs=True, stop_token_ids=stop_token_ids,
+                          skip_special_tokens=True)
+
+
+def generate(llm, prompt_ids: list[list[int]], params: list) -> list:
+    """``llm.generate`` on token-id prompts, one SamplingParams per prompt (per-prompt seeds)."""
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def score_sequence(llm, token_ids: list[int]) -> Tensor:
+    """vLLM's log-probs of a fixed sequence's tokens 1..L−1 (prompt log-probs: raw, T = 1). [L−1]"""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))],
+                       SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                       use_tqdm=False)[0]
+    vals = []
+    for tok, entry in zip(token_ids[1:], out.prompt_logprobs[1:]):
+        vals.append(entry[tok].logprob)
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def shutdown_engine(llm) -> None:
+    """Shut the engine down before the process group goes away (its finaliser would otherwise
+    try to destroy groups that no longer exist)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass

@@ -1,0 +1,192 @@
+"""Scaling configs: every shipped config loads, unknown keys and bad values are clear errors, the
+paper configs pass --dry-run against a fake local model + tiny JSONL, and the CLI reports errors
+as a user sees them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdm_lab.config import ConfigError, MaskConfig
+from pdm_lab.scaling.config import TrainConfig, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "scaling" / "configs").glob("*.yaml"))
+PAPER = [p for p in CONFIGS if p.name.startswith("qwen3-")]
+Q4B = REPO / "scaling" / "configs" / "qwen3-4b-base-dapo.yaml"
+
+
+def test_shipped_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny-cpu.yaml", "qwen3-4b-base-dapo.yaml", "qwen3-8b-base-dapo.yaml",
+            "qwen3-30b-a3b-base-dapo-fp8rollout.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_loads_and_round_trips(path, tmp_path):
+    cfg = load_config(path)
+    assert isinstance(cfg, TrainConfig)
+    assert type(cfg.mask) is MaskConfig  # the same type the toy sweeps use
+    out = tmp_path / "again.yaml"
+    save_config(cfg, out)
+    assert load_config(out) == cfg
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)
+def test_paper_configs_follow_spec_section_7(path):
+    cfg = load_config(path)
+    assert cfg.mask.k == 20 and cfg.mask.delta == 0.15
+    assert cfg.rollout.group_size == 16 and cfg.rollout.prompts_per_step == 256
+    assert cfg.trainer.mini_batches == 8 and cfg.trainer.lr == 1e-6
+    assert cfg.mask.aggregation == "seq-mean-token-sum-norm"
+    assert cfg.reward.verifier == "math" and cfg.eval.k == 16
+    assert cfg.trainer.param_dtype == "bf16"
+    if "fp8" in path.name:
+        assert cfg.rollout.precision == "fp8"
+
+
+def test_unknown_key_names_the_nearest(tmp_path):
+    raw = yaml.safe_load((REPO / "scaling/configs/tiny-cpu.yaml").read_text())
+    raw["rollout"]["temprature"] = 0.7
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="temprature.*did you mean 'temperature'"):
+        load_config(bad)
+
+
+def test_unknown_key_in_override_and_bad_values():
+    tiny = REPO / "scaling/configs/tiny-cpu.yaml"
+    with pytest.raises(ConfigError, match="'rulez'"):
+        load_config(tiny, ["mask.rulez=pdm_topk"])
+    with pytest.raises(ConfigError, match="mask.rule"):
+        load_config(tiny, ["mask.rule=not_a_rule"])
+    with pytest.raises(ConfigError, match="rollout.precision"):
+        load_config(tiny, ["rollout.precision=fp4"])
+    with pytest.raises(ConfigError, match="exactly one of model.path"):
+        load_config(tiny, ["model.path=somewhere"])
+    cfg = load_config(tiny, ["mask.rule=dppo_topk_kl", "total_steps=3", "rollout.temperature=0.7"])
+    assert (cfg.mask.rule, cfg.total_steps, cfg.rollout.temperature) == ("dppo_topk_kl", 3, 0.7)
+
+
+def test_missing_required_section(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("data: {synthetic: {}}\n")
+    with pytest.raises(ConfigError, match="model"):
+        load_config(p)
+
+
+# ---------------------------------------------------------------------------- dry run
+
+def make_fake_model(root: Path) -> Path:
+    """A tiny local Qwen3 directory (random weights, locally trained tokenizer, chat template)."""
+    from pdm_lab.scaling.config import TinyModelConfig
+    from pdm_lab.scaling.tiny_model import build_model, build_tokenizer
+
+    tok = build_tokenizer(["what is 1 + 2? answer 3", "\\boxed{42} Answer: 7"] * 50, 300)
+    tiny = TinyModelConfig(vocab_size=300, max_position_embeddings=32768)
+    model = build_model(tiny, 300, tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
+    root.mkdir(parents=True)
+    model.save_pretrained(root)
+    tok.save_pretrained(root)
+    return root
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fake_assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    model = make_fake_model(root / "model")
+    train = write_jsonl(root / "dapo.jsonl", [
+        {"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+         "reward_model": {"ground_truth": str(2 * i)}} for i in range(300)])
+    aime = write_jsonl(root / "aime24.jsonl", [{"problem": f"Find {i}.", "answer": i} for i in range(5)])
+    return {"model": model, "train": train, "aime": aime, "root": root}
+
+
+def paper_overrides(assets) -> list[str]:
+    return [f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]",
+            f"data.eval_files=[{assets['aime']}]"]
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)
+def test_paper_configs_dry_run(path, fake_assets):
+    from pdm_lab.scaling.dryrun import dry_run
+
+    report = dry_run(load_config(path, paper_overrides(fake_assets)), log=lambda *_: None)
+    assert report["data"]["train_prompts"] == 300
+    assert report["data"]["eval_sets"] == {"aime24": 5}
+    assert report["model"]["architecture"] == "Qwen3ForCausalLM"
+    assert report["sequences_per_rank"] == 256 // (8 // path_tp(path)) * 16 // path_tp(path)
+
+
+def path_tp(path: Path) -> int:
+    return load_config(path).rollout.tensor_parallel_size
+
+
+def test_dry_run_missing_model_path(tmp_path, fake_assets):
+    from pdm_lab.scaling.assets import ModelPathError
+    from pdm_lab.scaling.dryrun import dry_run
+
+    cfg = load_config(Q4B, paper_overrides(fake_assets) + [f"model.path={tmp_path / 'nope'}"])
+    with pytest.raises(ModelPathError, match="is not a directory"):
+        dry_run(cfg)
+
+
+def test_dry_run_broken_prompt_row(tmp_path, fake_assets):
+    from pdm_lab.scaling.data import DataError
+    from pdm_lab.scaling.dryrun import dry_run
+
+    rows = [json.dumps({"prompt": "q", "reward_model": {"ground_truth": "1"}})] * 300
+    rows[7] = '{"prompt": "broken json'
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
+    cfg = load_config(Q4B, paper_overrides(fake_assets) + [f"data.train_files=[{bad}]"])
+    with pytest.raises(DataError, match=r"bad\.jsonl:8: bad prompt row: invalid JSON"):
+        dry_run(cfg)
+    ok = dry_run(load_config(Q4B, paper_overrides(fake_assets)
+                             + [f"data.train_files=[{bad}]", "data.on_bad_row=skip"]), log=lambda *_: None)
+    assert ok["data"]["train_prompts"] == 299
+
+
+def test_dry_run_too_few_prompts(tmp_path, fake_assets):
+    from pdm_lab.scaling.dryrun import DryRunError, dry_run
+
+    few = write_jsonl(tmp_path / "few.jsonl", [{"prompt": "q", "reward_model": {"ground_truth": "1"}}] * 3)
+    cfg = load_config(Q4B, paper_overrides(fake_assets) + [f"data.train_files=[{few}]"])
+    with pytest.raises(DryRunError, match="fewer than rollout.prompts_per_step"):
+        dry_run(cfg)
+
+
+def test_dry_run_layout_must_divide(fake_assets):
+    from pdm_lab.scaling.dryrun import DryRunError, dry_run
+
+    cfg = load_config(Q4B, paper_overrides(fake_assets) + ["launch.nproc_per_node=3"])
+    with pytest.raises(DryRunError, match="divisible"):
+        dry_run(cfg)
+
+
+def test_cli_dry_run_as_a_user_runs_it(fake_assets, capsys):
+    from pdm_lab.cli import main
+
+    assert main(["train", "--config", str(Q4B), "--dry-run", *paper_overrides(fake_assets)]) == 0
+    assert "ok" in capsys.readouterr().out
+    code = main(["train", "--config", str(Q4B), "--dry-run", "model.path=/nonexistent/x"])
+    assert code == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["train", "--config", str(Q4B), "rollout.bogus=1"]) == 2
+    assert "unknown config key" in capsys.readouterr().err
+    # a real (not dry) run with a missing model directory stops before any rank starts
+    assert main(["train", "--config", str(Q4B), "model.path=/nonexistent/x"]) == 2
+    assert "model.path: /nonexistent/x is not a directory" in capsys.readouterr().err
+
+
+def test_tiny_config_dry_run_without_building():
+    from pdm_lab.scaling.dryrun import dry_run
+
+    report = dry_run(load_config(REPO / "scaling/configs/tiny-cpu.yaml"))
+    assert report["model"]["note"] == "built on first use"
