@@ -150,3 +150,22 @@ def test_verifier_lookup():
     assert get_verifier("operator:eq")("a", "a") is True
     with pytest.raises(ValueError, match="unknown 'nope'"):
         get_verifier("nope")
+
+
+def test_parquet_rows_in_dapo_layout(tmp_path):
+    """DAPO-Math-17k ships as parquet with a chat-message prompt and reward_model.ground_truth."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pdm_lab.scaling.data import get_field, read_records
+
+    rows = [{"prompt": [{"role": "user", "content": "What is 2+3?"}],
+             "reward_model": {"ground_truth": "5", "style": "rule"}},
+            {"prompt": [{"role": "user", "content": "What is 7·6?"}],
+             "reward_model": {"ground_truth": "42", "style": "rule"}}]
+    path = tmp_path / "dapo.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    got = list(read_records(path))
+    assert [n for n, _ in got] == [1, 2]
+    assert [get_field(rec, "reward_model.ground_truth") for _, rec in got] == ["5", "42"]
+    assert get_field(got[0][1], "prompt")[0]["content"] == "What is 2+3?"
