@@ -23,7 +23,7 @@ venv: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/pdm-lab prove --out $(RESULTS)/proofs.md
-	$(VENV)/bin/pdm-lab demo --out $(RESULTS)/demo.json
+	$(VENV)/bin/pdm-lab sweep --preset quick --out $(RESULTS)/sweep-quick
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -48,8 +48,8 @@ def compute_mask(cfg: "MaskConfig", stats: "TokenStats", advantages: Tensor) -> 
     return (~drop).to(stats.ratio.dtype)
 
 
-def _outside(divergence: Tensor, advantages: Tensor, cfg: "MaskConfig") -> Tensor:
-    """divergence > δ, with DPPO's separate δ for Â < 0."""
+def outside_region(divergence: Tensor, advantages: Tensor, cfg: "MaskConfig") -> Tensor:
+    """[N] bool: divergence > δ (δ_neg for Â < 0, as DPPO's code allows) — outside the region."""
     delta = torch.where(advantages < 0, cfg.delta_for_negative, cfg.delta).to(divergence.dtype)
     return divergence > delta
 
@@ -75,25 +75,25 @@ def mask_ppo_clip(stats: "TokenStats", advantages: Tensor, cfg: "MaskConfig") ->
 @register_mask("dppo_binary_tv")
 def mask_dppo_binary_tv(stats, advantages, cfg):
     """DPPO: drop |π_k − μ_k| > δ ∧ Â(r−1) > 0."""
-    return _outside(stats.binary_tv, advantages, cfg) & _ratio_outward(stats, advantages)
+    return outside_region(stats.binary_tv, advantages, cfg) & _ratio_outward(stats, advantages)
 
 
 @register_mask("dppo_binary_kl")
 def mask_dppo_binary_kl(stats, advantages, cfg):
     """DPPO: drop Bernoulli KL(μ_k‖π_k) > δ ∧ Â(r−1) > 0."""
-    return _outside(stats.binary_kl, advantages, cfg) & _ratio_outward(stats, advantages)
+    return outside_region(stats.binary_kl, advantages, cfg) & _ratio_outward(stats, advantages)
 
 
 @register_mask("dppo_topk_tv")
 def mask_dppo_topk_tv(stats, advantages, cfg):
     """DPPO: drop top-K TV > δ ∧ Â(r−1) > 0."""
-    return _outside(stats.topk_tv, advantages, cfg) & _ratio_outward(stats, advantages)
+    return outside_region(stats.topk_tv, advantages, cfg) & _ratio_outward(stats, advantages)
 
 
 @register_mask("dppo_topk_kl")
 def mask_dppo_topk_kl(stats, advantages, cfg):
     """DPPO-TopK-KL (the paper's baseline): drop D > δ ∧ Â(r−1) > 0."""
-    return _outside(stats.topk_kl, advantages, cfg) & _ratio_outward(stats, advantages)
+    return outside_region(stats.topk_kl, advantages, cfg) & _ratio_outward(stats, advantages)
 
 
 def pdm_rule(estimator: str) -> MaskRule:
@@ -101,7 +101,7 @@ def pdm_rule(estimator: str) -> MaskRule:
         if estimator not in stats.ddot:
             raise PDMInputError(f"rule pdm_{estimator}: needs Ḋ_{estimator}, which these stats lack "
                                 "(`exact` needs the full distributions)")
-        return _outside(stats.topk_kl, advantages, cfg) & (advantages * stats.ddot[estimator] > 0)
+        return outside_region(stats.topk_kl, advantages, cfg) & (advantages * stats.ddot[estimator] > 0)
     rule.__doc__ = f"PDM: drop D > δ ∧ Â·Ḋ_{estimator} > 0 (the update would grow the top-K KL)."
     return rule
 

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .masks import outside_region
+
 if TYPE_CHECKING:
     from .config import MaskConfig
     from .stats import TokenStats
@@ -38,7 +40,7 @@ def step_metrics(stats: "TokenStats", keep: Tensor, advantages: Tensor, response
     Args: stats [N]; keep [N] 1/0; advantages [N]; response [N] bool; cfg for δ and estimator.
     """
     dropped = 1.0 - keep
-    outside = (stats.topk_kl > cfg.delta) & response
+    outside = outside_region(stats.topk_kl, advantages, cfg) & response
     metrics = {
         "mask/frac_dropped": _mean(dropped, response),
         "mask/frac_dropped_pos": _mean(dropped, response & (advantages > 0)),

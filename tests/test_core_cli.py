@@ -19,7 +19,7 @@ def run(*args, cwd=None, timeout=600):
 def test_help_lists_subcommands():
     res = run("--help")
     assert res.returncode == 0, res.stderr
-    for cmd in ("demo", "bench", "prove"):
+    for cmd in ("demo", "bench", "prove", "audit", "sweep", "train", "promote"):
         assert cmd in res.stdout
 
 

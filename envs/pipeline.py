@@ -1,0 +1,63 @@
+"""The end-to-end runs behind the CLI: sweep → table → figures → report, and audit → files."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .audit import AuditConfig, run_audit
+from .plots import audit_figures, sweep_figures
+from .records import write_json_atomic
+from .report import write_report
+from .sweep import SweepConfig, load_runs, run_sweep
+
+
+def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True) -> dict:
+    """Run the audit; write audit.json, audit figures and audit.md into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = run_audit(cfg, progress_bar=progress)
+    write_json_atomic(out / "audit.json", doc)
+    figs = audit_figures(doc, out)
+    write_report(out / "audit.md", title="pdm_lab direction audit",
+                 intro=["Produced by `pdm-lab audit`; the numbers are in audit.json."],
+                 audit=doc, audit_figs=figs)
+    return doc
+
+
+def sweep_to_dir(cfg: SweepConfig, out: str | Path, *, executor=None, audit: AuditConfig | None = None,
+                 progress: bool = True, title: str = "pdm_lab toy sweep") -> dict:
+    """Run (or resume) the sweep, optionally the audit, then the table, figures and report.md."""
+    out = Path(out)
+    start = time.perf_counter()
+    status = run_sweep(cfg, out, executor=executor, progress=progress)
+    audit_doc, audit_figs = None, None
+    if audit is not None:
+        audit_json = out / "audit" / "audit.json"
+        if audit_json.exists() and json.loads(audit_json.read_text())["config"] == _audit_dict(audit):
+            audit_doc = json.loads(audit_json.read_text())  # resumed: the audit is already done
+            audit_figs = audit_figures(audit_doc, out / "audit")
+        else:
+            audit_doc = audit_to_dir(audit, out / "audit", progress=progress)
+            audit_figs = audit_figures(audit_doc, out / "audit")
+    runs = load_runs(cfg, out)
+    figs = sweep_figures(runs, out / "figures") if runs else {}
+    b = cfg.base
+    intro = [f"Problem `{b.problem.kind}`, policy `{b.policy}`, {b.steps} GRPO steps of "
+             f"{b.groups_per_step} prompts × {b.group_size} responses, `{b.optimizer}` lr {b.lr}, "
+             f"{b.epochs} epoch(s) × {b.minibatches} mini-batch(es).",
+             f"Grid: rules {', '.join(cfg.rules)}; mismatch {', '.join(cfg.mismatches)}"
+             + (f" (+ `{cfg.base_mismatch}` everywhere)" if cfg.base_mismatch else "")
+             + f"; δ {', '.join(f'{d:g}' for d in cfg.deltas)}; K {', '.join(map(str, cfg.ks))}; "
+             f"{cfg.seeds} seeds. {len(runs)} of {status['total']} runs finished "
+             f"({status['skipped']} reused from an earlier invocation).",
+             "Tables: results.csv / results.json (one row per cell × seed); per-step logs: cells/*/seed_*.jsonl."]
+    report = write_report(out / "report.md", title=title, intro=intro, rows=[r["row"] for r in runs],
+                          sweep_figs=figs, audit=audit_doc, audit_figs=audit_figs)
+    return {**status, "report": str(report), "runs": len(runs), "wall_s": time.perf_counter() - start}
+
+
+def _audit_dict(cfg: AuditConfig) -> dict:
+    from pdm_lab.config import to_dict
+
+    return json.loads(json.dumps(to_dict(cfg)))

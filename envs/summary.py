@@ -1,0 +1,85 @@
+"""Group the results table and put confidence intervals on means and rates."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+
+
+def finite(values: Iterable) -> list[float]:
+    return [float(v) for v in values if v is not None and not math.isnan(float(v))]
+
+
+def mean_ci(values: Iterable, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean and a percentile-bootstrap CI over runs (NaN/None dropped; one value: a zero-width CI)."""
+    xs = finite(values)
+    if not xs:
+        return math.nan, math.nan, math.nan
+    x = torch.tensor(xs, dtype=torch.float64)
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    gen = torch.Generator().manual_seed(seed)
+    means = x[torch.randint(0, len(xs), (n_boot, len(xs)), generator=gen)].mean(dim=1)
+    alpha = (1 - level) / 2
+    lo, hi = torch.quantile(means, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
+    return float(x.mean()), float(lo), float(hi)
+
+
+def wilson_ci(successes: int, trials: int, *, z: float = 1.959964) -> tuple[float, float, float]:
+    """Rate and Wilson score interval for a binomial proportion (collapse rate)."""
+    if trials == 0:
+        return math.nan, math.nan, math.nan
+    p = successes / trials
+    denom = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    return p, min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
+
+
+def group_rows(rows: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[dict]]:
+    """Rows grouped by ``key(row)``, groups in first-seen order."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[key(row)].append(row)
+    return dict(groups)
+
+
+def config_label(row: dict) -> str:
+    """A mask configuration's display name: rule, plus δ/K/convention when not the paper's."""
+    parts = [row["rule"]]
+    if row.get("delta") is not None and row["rule"] not in ("none", "ppo_clip", "icepop"):
+        parts.append(f"δ={row['delta']:g}")
+    if row.get("k") is not None and row["rule"] not in ("none", "ppo_clip", "icepop"):
+        if row["k"] != 20:
+            parts.append(f"K={row['k']}")
+        if row.get("convention", "union") != "union":
+            parts.append(row["convention"])
+    return " ".join(parts)
+
+
+def mismatch_label(row: dict) -> str:
+    return row.get("mismatch") or "none"
+
+
+def pooled_unsafe_keep(rows: list[dict]) -> tuple[float, int]:
+    """Unsafe-keep pooled over runs (weighted by each run's considered-token count)."""
+    total = sum(int(r.get("unsafe_keep_count") or 0) for r in rows)
+    if not total:
+        return math.nan, 0
+    unsafe = sum((r["unsafe_keep"] or 0.0) * int(r.get("unsafe_keep_count") or 0) for r in rows
+                 if r.get("unsafe_keep") is not None)
+    return unsafe / total, total
+
+
+def config_summary(rows: list[dict]) -> dict:
+    """Final reward (mean, CI), collapse rate (Wilson CI), pooled unsafe-keep, mask fraction."""
+    reward = mean_ci(r["final_reward"] for r in rows)
+    collapsed = sum(bool(r["collapsed"]) for r in rows)
+    mask = mean_ci(r["mask_fraction"] for r in rows)
+    uk, uk_n = pooled_unsafe_keep(rows)
+    return {"runs": len(rows), "final_reward": reward, "collapse": wilson_ci(collapsed, len(rows)),
+            "collapses": collapsed, "unsafe_keep": uk, "unsafe_keep_tokens": uk_n,
+            "mask_fraction": mask,
+            "mismatch": mean_ci((r["update_topk_kl_mean"] for r in rows), n_boot=500)}

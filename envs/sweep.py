@@ -1,0 +1,248 @@
+"""A resumable grid of training runs: rules × mismatch (kind, strength) × δ × K × seeds.
+
+Layout of a results directory::
+
+    sweep.json                      the grid that was asked for (informational)
+    cells/<cell_id>/config.json     the cell's TrainConfig (everything but the seed)
+    cells/<cell_id>/seed_<s>.jsonl  per-step metrics, appended while the run goes
+    cells/<cell_id>/seed_<s>.json   the finished run: its table row and reward curve
+    results.csv, results.json       the tidy table, one row per cell × seed
+
+A run counts as finished once ``seed_<s>.json`` exists; it is written atomically by the
+coordinating process as soon as the run's result arrives. Re-running the same command skips
+finished runs, so a crash or a kill loses only the runs in flight.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pdm_lab.config import MaskConfig, from_dict, to_dict
+
+from .mismatch import Mismatch
+from .records import plain, read_jsonl, write_json_atomic
+from .train import TrainConfig, train
+
+#: Columns of results.csv, in order (``scaling``'s ``promote`` reads these names).
+COLUMNS = (
+    "cell_id", "seed", "problem", "policy", "rule", "delta", "k", "convention", "estimator",
+    "mismatch", "mismatch_kind", "mismatch_strength", "optimizer", "lr", "steps", "epochs",
+    "minibatches", "initial_reward", "final_reward", "collapsed", "nonfinite",
+    "realised_topk_kl_mean", "realised_topk_kl_max", "realised_full_kl_mean",
+    "realised_full_kl_max", "update_topk_kl_mean", "mask_fraction", "outside_fraction",
+    "dir_disagree", "unsafe_keep", "shrink", "unsafe_keep_count", "wall_s",
+)
+
+
+#: Rules whose keep/drop decision uses neither δ nor the top-K support (only r and Â).
+REGION_FREE_RULES = ("none", "ppo_clip", "icepop")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The grid. Every combination of the tuple fields is one cell; each cell runs ``seeds`` times."""
+
+    base: TrainConfig = field(default_factory=TrainConfig)
+    """everything that is not swept (problem, policy, optimiser, steps, …)."""
+    rules: tuple[str, ...] = ("dppo_topk_kl", "pdm_uniform")
+    """mask rules (pdm_lab.masks registry)."""
+    mismatches: tuple[str, ...] = ("none", "noise:1")
+    """μ's mismatch per cell, ``kind:strength`` (see ``mismatch``)."""
+    base_mismatch: str = ""
+    """composed into every cell's mismatch (e.g. ``stale:2``); empty for none."""
+    deltas: tuple[float, ...] = (0.15,)
+    """δ values."""
+    ks: tuple[int, ...] = (20,)
+    """K values."""
+    conventions: tuple[str, ...] = ("union",)
+    """support conventions."""
+    seeds: int = 3
+    """runs per cell, seeds first_seed … first_seed + seeds − 1."""
+    first_seed: int = 0
+    """first seed."""
+
+    def __post_init__(self) -> None:
+        for spec in (*self.mismatches, self.base_mismatch):
+            Mismatch.parse(spec)  # unknown kinds or bad strengths fail here, not in a worker
+        for rule in self.rules:
+            replace(self.base.mask, rule=rule)  # MaskConfig validates the rule name
+        if self.seeds < 1:
+            raise ValueError(f"seeds: must be ≥ 1, got {self.seeds}")
+
+    def cells(self) -> list[TrainConfig]:
+        """One TrainConfig per cell (seed 0; the seed is set per run).
+
+        Rules whose mask ignores δ and the support (``REGION_FREE_RULES``) get one cell per
+        mismatch setting, at the first δ, K and convention, instead of repeats of one run.
+        """
+        out = []
+        for rule in self.rules:
+            free = rule in REGION_FREE_RULES
+            for spec in self.mismatches:
+                for delta in self.deltas[:1] if free else self.deltas:
+                    for k in self.ks[:1] if free else self.ks:
+                        for convention in self.conventions[:1] if free else self.conventions:
+                            mask = replace(self.base.mask, rule=rule, delta=delta, k=k,
+                                           convention=convention)
+                            out.append(replace(self.base, mask=mask, seed=0,
+                                               mismatch=compose(spec, self.base_mismatch)))
+        return out
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.first_seed, self.first_seed + self.seeds))
+
+
+def compose(spec: str, base: str) -> str:
+    """``spec`` + ``base`` as one mismatch string (``none`` parts dropped)."""
+    parts = [str(Mismatch.parse(s)) for s in (spec, base) if s and str(Mismatch.parse(s)) != "none"]
+    return "+".join(parts) or "none"
+
+
+def cell_id(cfg: TrainConfig) -> str:
+    """12 hex digits of the SHA-1 of the cell's canonical JSON (seed excluded)."""
+    doc = to_dict(replace(cfg, seed=0))
+    return hashlib.sha1(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def mismatch_axis(spec: str) -> tuple[str, float]:
+    """(kind, strength) of a cell's first mismatch source: the sweep's mismatch axis."""
+    sources = Mismatch.parse(spec).sources
+    if not sources:
+        return "none", 0.0
+    return sources[0].kind, sources[0].strength
+
+
+def estimator_of(mask: MaskConfig) -> str:
+    """The Ḋ estimator a rule uses (``pdm_<estimator>``), else the metrics' estimator."""
+    return mask.rule.removeprefix("pdm_") if mask.rule.startswith("pdm_") else mask.estimator
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """One run for an executor: a cell config, its seed and where its step log goes."""
+
+    cell_id: str
+    seed: int
+    config: dict
+    log_path: str
+
+
+def run_job(job: RunJob) -> dict:
+    """Executor entry point: train one cell × seed; returns its table row and reward curve."""
+    cfg = replace(from_dict(TrainConfig, job.config), seed=job.seed)
+    result = train(cfg, log_path=job.log_path)
+    curve = result.pop("curve")
+    kind, strength = mismatch_axis(cfg.mismatch)
+    row = {
+        "cell_id": job.cell_id, "seed": job.seed, "problem": cfg.problem.kind, "policy": cfg.policy,
+        "rule": cfg.mask.rule, "delta": cfg.mask.delta, "k": cfg.mask.k,
+        "convention": cfg.mask.convention, "estimator": estimator_of(cfg.mask),
+        "mismatch": cfg.mismatch, "mismatch_kind": kind, "mismatch_strength": strength,
+        "optimizer": cfg.optimizer, "lr": cfg.lr, "steps": cfg.steps, "epochs": cfg.epochs,
+        "minibatches": max(cfg.minibatches, Mismatch.parse(cfg.mismatch).stale_steps),
+        **result,
+    }
+    return {"row": {c: row.get(c) for c in COLUMNS}, "curve": curve}
+
+
+def run_path(out: Path, cid: str, seed: int) -> Path:
+    return out / "cells" / cid / f"seed_{seed}.json"
+
+
+def pending_jobs(cfg: SweepConfig, out: Path) -> tuple[list[RunJob], int]:
+    """Jobs not yet finished in ``out`` (writes each cell's config.json), and the total count."""
+    jobs, total = [], 0
+    for cell in cfg.cells():
+        cid = cell_id(cell)
+        cell_dir = out / "cells" / cid
+        if not (cell_dir / "config.json").exists():
+            write_json_atomic(cell_dir / "config.json", to_dict(cell))
+        for seed in cfg.seed_list:
+            total += 1
+            if not run_path(out, cid, seed).exists():
+                jobs.append(RunJob(cid, seed, to_dict(cell), str(cell_dir / f"seed_{seed}.jsonl")))
+    return jobs, total
+
+
+def run_sweep(cfg: SweepConfig, out: str | Path, *, executor=None, progress: bool = True) -> dict:
+    """Run every unfinished cell × seed, storing each result as it arrives; then the table.
+
+    Returns:
+        ``{"total": runs in the grid, "skipped": already finished, "ran": finished now,
+        "wall_s": seconds}``.
+    """
+    from .executors import LocalExecutor
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "sweep.json", to_dict(cfg))
+    jobs, total = pending_jobs(cfg, out)
+    executor = executor or LocalExecutor()
+    start = time.perf_counter()
+    bar = None
+    if progress and jobs:
+        from tqdm import tqdm
+        bar = tqdm(total=len(jobs), desc="sweep", unit="run", dynamic_ncols=True)
+    ran = 0
+    try:
+        for job, result in executor.run(run_job, jobs):
+            write_json_atomic(run_path(out, job.cell_id, job.seed), result)
+            ran += 1
+            if bar is not None:
+                row = result["row"]
+                bar.set_postfix_str(f"{row['rule']} {row['mismatch']} reward={row['final_reward']:.2f}")
+                bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    write_table(cfg, out)
+    return {"total": total, "skipped": total - len(jobs), "ran": ran,
+            "wall_s": time.perf_counter() - start}
+
+
+def load_runs(cfg: SweepConfig, out: str | Path) -> list[dict]:
+    """Finished runs of this grid in ``out``: ``{"row": …, "curve": […]}`` each, in grid order."""
+    out = Path(out)
+    runs = []
+    for cell in cfg.cells():
+        cid = cell_id(cell)
+        for seed in cfg.seed_list:
+            path = run_path(out, cid, seed)
+            if path.exists():
+                runs.append(json.loads(path.read_text(encoding="utf-8")))
+    return runs
+
+
+def write_table(cfg: SweepConfig, out: str | Path) -> list[dict]:
+    """results.csv and results.json: one row per finished cell × seed (NaN → empty / null)."""
+    out = Path(out)
+    rows = [plain(run["row"]) for run in load_runs(cfg, out)]
+    write_json_atomic(out / "results.json", rows)
+    lines = [",".join(COLUMNS)]
+    for row in rows:
+        lines.append(",".join(_csv_cell(row.get(c)) for c in COLUMNS))
+    tmp = out / ".results.csv.tmp"
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(out / "results.csv")
+    return rows
+
+
+def _csv_cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    text = str(value)
+    return f'"{text}"' if ("," in text or '"' in text) else text
+
+
+def step_log(out: str | Path, cid: str, seed: int) -> list[dict]:
+    """The per-step metrics of one run (complete lines only)."""
+    return read_jsonl(Path(out) / "cells" / cid / f"seed_{seed}.jsonl")

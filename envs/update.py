@@ -1,0 +1,118 @@
+"""From a rollout batch to the core's inputs, and one masked policy-gradient loss.
+
+Every divergence, Ḋ, mask and loss below comes from ``pdm_lab`` (support, policy_side, stats,
+loss); this module only flattens [B, T] batches into the core's [N] token rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pdm_lab import masks
+from pdm_lab.config import MaskConfig
+from pdm_lab.loss import LossOutput, pdm_policy_loss
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.stats import TokenStats, token_stats
+from pdm_lab.support import Support, support_from_full
+
+from .rollout import RolloutBatch
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A (mini-)batch flattened for the core: N = B·T token rows, row-major over [B, T].
+
+    Attributes:
+        obs: [N, D] int64 observations (what π conditions on).
+        support: μ's reduced support (``support_from_full``), N rows.
+        mu_full: [N, n] float32 μ's full log-probabilities (enables ``exact`` and full KL).
+        advantages: [B, T] float32 Â per token (0 on padding).
+        response_mask: [B, T] bool.
+    """
+
+    obs: Tensor
+    support: Support
+    mu_full: Tensor
+    advantages: Tensor
+    response_mask: Tensor
+
+    def select(self, rows: Tensor) -> "TokenBatch":
+        """Sequences ``rows`` ([b] int64) of this batch, with their T token rows each."""
+        horizon = self.advantages.shape[1]
+        tok = (rows[:, None] * horizon + torch.arange(horizon)).reshape(-1)
+        support = dataclasses.replace(
+            self.support, **{f.name: getattr(self.support, f.name)[tok]
+                             for f in dataclasses.fields(Support) if f.name != "vocab_size"})
+        return TokenBatch(obs=self.obs[tok], support=support, mu_full=self.mu_full[tok],
+                          advantages=self.advantages[rows], response_mask=self.response_mask[rows])
+
+    def single(self, token: int) -> "TokenBatch":
+        """Token row ``token`` alone, as a [1, 1] batch (the single-token update study)."""
+        b_t = self.advantages.reshape(-1)
+        sel = torch.tensor([token])
+        support = dataclasses.replace(
+            self.support, **{f.name: getattr(self.support, f.name)[sel]
+                             for f in dataclasses.fields(Support) if f.name != "vocab_size"})
+        return TokenBatch(obs=self.obs[sel], support=support, mu_full=self.mu_full[sel],
+                          advantages=b_t[sel].view(1, 1),
+                          response_mask=self.response_mask.reshape(-1)[sel].view(1, 1))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.obs.shape[0]
+
+
+@torch.no_grad()
+def token_batch(batch: RolloutBatch, advantages: Tensor, cfg: MaskConfig) -> TokenBatch:
+    """Flatten a rollout batch and build μ's support with ``cfg.k`` and ``cfg.convention``.
+
+    Args:
+        batch: the rollout.
+        advantages: [B] sequence advantages, broadcast to every response token.
+        cfg: the mask config (K, convention).
+    """
+    b, t, n = batch.mu_logp.shape
+    mu_full = batch.mu_logp.reshape(b * t, n)
+    support = support_from_full(mu_full, batch.tokens.reshape(-1), k=cfg.k, convention=cfg.convention)
+    adv = advantages[:, None] * batch.response_mask
+    return TokenBatch(obs=batch.obs.reshape(b * t, -1), support=support, mu_full=mu_full,
+                      advantages=adv.float(), response_mask=batch.response_mask)
+
+
+def needs_full(cfg: MaskConfig) -> bool:
+    """True if the rule or the direction metric uses the ``exact`` Ḋ (full distributions)."""
+    return cfg.rule == "pdm_exact" or cfg.estimator == "exact"
+
+
+def masked_loss(policy, tokens: TokenBatch, cfg: MaskConfig, *, full: bool | None = None) -> LossOutput:
+    """π's forward pass on the batch and the core's masked loss (``pdm_policy_loss``).
+
+    ``full`` passes both full distributions to the core (``exact`` Ḋ, full-KL metrics); by
+    default only when the rule needs them, since they cost two extra [N, n] passes.
+    """
+    logits = policy(tokens.obs)
+    pi = policy_on_support(logits, tokens.support.ids)
+    if full is None:
+        full = needs_full(cfg)
+    pi_full = torch.log_softmax(logits.detach(), dim=-1) if full else None
+    return pdm_policy_loss(pi, tokens.support, tokens.advantages, tokens.response_mask, cfg,
+                           mu_full=tokens.mu_full if full else None, pi_full=pi_full)
+
+
+@torch.no_grad()
+def current_stats(policy, tokens: TokenBatch, *, full: bool = True) -> TokenStats:
+    """The core's per-token statistics (D, Ḋ, r, tails; full KL and exact Ḋ if ``full``)."""
+    logits = policy(tokens.obs)
+    pi = policy_on_support(logits, tokens.support.ids)
+    if not full:
+        return token_stats(tokens.support, pi)
+    return token_stats(tokens.support, pi, mu_full=tokens.mu_full,
+                       pi_full=torch.log_softmax(logits, dim=-1))
+
+
+def outside_region(stats: TokenStats, advantages: Tensor, cfg: MaskConfig) -> Tensor:
+    """[N] bool, D > δ (δ_neg for Â < 0): the tokens a trust-region rule judges (SPEC §4, §6)."""
+    return masks.outside_region(stats.topk_kl, advantages.reshape(-1), cfg)

@@ -1,0 +1,80 @@
+"""`pdm-lab audit` and `pdm-lab sweep` as a user runs them (subprocesses of the installed entry point)."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).with_name("pdm-lab")
+
+
+def run(*args, cwd=None, timeout=900):
+    cmd = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "pdm_lab"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.parametrize("cmd", ["audit", "sweep"])
+def test_help(cmd):
+    res = run(cmd, "--help")
+    assert res.returncode == 0 and f"usage: pdm-lab {cmd}" in res.stdout
+
+
+@pytest.mark.slow
+def test_quick_preset_end_to_end(tmp_path):
+    """The README's main command: the quick sweep and the audit, then a report."""
+    res = run("sweep", "--preset", "quick", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "runs" / "sweep-quick"
+    assert f"report: {Path('runs') / 'sweep-quick' / 'report.md'}" in res.stdout
+    with open(out / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 4 * 3 * 4  # rules × mismatch settings × seeds
+    for column in ("rule", "delta", "k", "convention", "estimator", "mismatch_kind", "mismatch_strength",
+                   "seed", "cell_id", "final_reward", "collapsed", "unsafe_keep",
+                   "realised_topk_kl_mean", "realised_full_kl_mean", "mask_fraction"):
+        assert column in rows[0]
+    report = (out / "report.md").read_text()
+    for needle in ("Which configuration won", "highest final reward", "Direction audit", "Study (a)",
+                   "Study (b)", "figures/final_reward_vs_mismatch.png"):
+        assert needle in report
+    for png in ("learning_curves", "final_reward_vs_mismatch", "collapse_vs_mismatch",
+                "unsafe_keep_vs_mismatch", "mask_fraction_vs_mismatch"):
+        assert (out / "figures" / f"{png}.png").stat().st_size > 1000
+    audit = json.loads((out / "audit" / "audit.json").read_text())
+    assert len(audit["per_seed"]) == 16
+    again = run("sweep", "--preset", "quick", cwd=tmp_path)  # resumes: nothing to recompute
+    assert again.returncode == 0 and "0 runs now, 48 reused" in again.stdout
+
+
+def test_audit_command_writes_json_and_summary(tmp_path):
+    res = run("audit", "--seeds", "3", "--sequences", "256", "--k-sweep", "5", "20",
+              "--out", str(tmp_path / "a"), "--quiet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads((tmp_path / "a" / "audit.json").read_text())
+    assert doc["config"]["seeds"] == 3 and len(doc["per_seed"]) == 3
+    assert "sign test p" in res.stdout and (tmp_path / "a" / "audit.md").exists()
+    assert (tmp_path / "a" / "audit_k_sweep.png").exists()
+
+
+def test_sweep_from_a_yaml_config_with_flag_overrides(tmp_path):
+    cfg = tmp_path / "grid.yaml"
+    cfg.write_text("base:\n  problem:\n    kind: bandit\n  steps: 2\n  groups_per_step: 8\n"
+                   "rules: [ppo_clip, pdm_agg]\nmismatches: [none]\nseeds: 1\n")
+    res = run("sweep", "--config", str(cfg), "--kinds", "noise", "tail_noise", "--strengths", "0.5",
+              "--deltas", "0.05", "--out", str(tmp_path / "s"), "--no-audit", "--quiet", "--workers", "1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "s" / "results.json").read_text())
+    assert {(r["rule"], r["mismatch"], r["delta"]) for r in rows} == {
+        (rule, mm, 0.05) for rule in ("ppo_clip", "pdm_agg") for mm in ("noise:0.5", "tail_noise:0.5")}
+    assert {r["estimator"] for r in rows if r["rule"] == "pdm_agg"} == {"agg"}
+
+
+def test_unknown_yaml_key_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("rulez: [none]\n")
+    res = run("sweep", "--config", str(cfg), "--out", str(tmp_path / "s"))
+    assert res.returncode != 0 and "rulez" in res.stderr and "rules" in res.stderr
