@@ -98,3 +98,10 @@ def test_error_loses_nothing_computed():
         support_from_full(mu, torch.tensor([1, 1, 1]), k=2)
     assert torch.equal(torch.nan_to_num(mu), torch.nan_to_num(snap))
     assert before.shape == mu.shape
+
+
+def test_device_mismatch_is_named():
+    mu = _full()
+    pi = torch.empty(mu.shape, dtype=F64, device="meta")
+    with pytest.raises(PDMInputError, match="mu_logp is on cpu but pi_logp is on meta"):
+        diagnose(mu, pi, torch.tensor([0, 0, 0]), torch.ones(3, dtype=F64))
