@@ -18,6 +18,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from pdm_lab.benchtools import best_of
+
 from . import ENV_ID
 from .audit import AuditConfig, run_audit
 from .mismatch import Mismatch
@@ -26,16 +28,6 @@ from .problems import ProblemConfig, make_problem
 from .rollout import RolloutRNG
 from .token_mdp_vector import TokenMDPVectorEnv
 from . import problems as problems_module
-
-
-def _best_of(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _multinomial(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -70,9 +62,9 @@ def bench_bandit(repeat: int) -> dict:
     def rollout():
         problem.collect(policy, Mismatch(), groups, size, rng)
 
-    fast = _best_of(rollout, repeat)
+    fast = best_of(rollout, repeat)
     with _NaiveSampling():
-        naive = _best_of(rollout, repeat)
+        naive = best_of(rollout, repeat)
     return {"name": f"bandit rollout, 1 core ({steps} samples × n={problem.vocab_size}, μ=π)",
             "value": steps / fast, "unit": "steps/s", "reference": steps / naive,
             "ratio": naive / fast, "target": "value ≥ 1e5 steps/s (reference: torch.multinomial)"}
@@ -89,10 +81,10 @@ def bench_token_mdp(repeat: int) -> dict:
         batch = problem.collect(policy, Mismatch(), groups, size, rng)
         tokens["n"] = int(batch.response_mask.sum())
 
-    fast = _best_of(rollout, repeat)
+    fast = best_of(rollout, repeat)
     n_fast = tokens["n"]
     with _NaiveSampling():
-        naive = _best_of(rollout, repeat)
+        naive = best_of(rollout, repeat)
     n_naive = tokens["n"]
     return {"name": f"token-MDP rollout, neural policy, 1 core ({groups * size} responses)",
             "value": n_fast / fast, "unit": "tok/s", "reference": n_naive / naive,

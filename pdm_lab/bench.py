@@ -14,28 +14,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import multiprocessing as mp
-import time
 
 import torch
 
+from .benchtools import best_of, in_fresh_process, peak_extra_mb
 from .config import MaskConfig
 from .loss import pdm_policy_loss
-from .numerics import log1mexp
 from .policy_side import PolicyOnSupport, policy_on_support, policy_on_support_reference
 from .support import support_from_topk
 
 STAGE_BENCHES = ("pdm_lab.envs.bench", "pdm_lab.scaling.bench")
-
-
-def _best_of(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def rollout_like_inputs(n_tokens: int, k: int, vocab: int, seed: int = 0) -> dict:
@@ -78,7 +66,7 @@ def bench_mask_pipeline(n_tokens: int, k: int, repeat: int, modes=(False, True))
 
     def pipeline(compiled: bool):
         support = support_from_topk(inp["topk_ids"], inp["topk_logp"], inp["sampled"],
-                                    inp["sampled_logp"], vocab_size=inp["vocab"], k=k)
+                                    inp["sampled_logp"], vocab_size=inp["vocab"], k=k, compiled=compiled)
         out = pdm_policy_loss(pi0, support, adv, resp, cfg, compiled=compiled)
         out.loss.backward()
 
@@ -94,9 +82,9 @@ def bench_mask_pipeline(n_tokens: int, k: int, repeat: int, modes=(False, True))
 
     rows = []
     for compiled in modes:
-        t_ref = _best_of(reference, repeat)  # re-measured beside each variant: the machine drifts
-        t_pipe = _best_of(lambda: pipeline(compiled), repeat)
-        t_mask = _best_of(lambda: mask_only(compiled), repeat)
+        t_ref = best_of(reference, repeat)  # re-measured beside each variant: the machine drifts
+        t_pipe = best_of(lambda: pipeline(compiled), repeat)
+        t_mask = best_of(lambda: mask_only(compiled), repeat)
         mode = "compiled" if compiled else "eager"
         rows += [
             {"name": f"mask pipeline [{mode}] N={n_tokens} K={k}: support+stats+mask+loss+backward",
@@ -107,21 +95,6 @@ def bench_mask_pipeline(n_tokens: int, k: int, repeat: int, modes=(False, True))
              "ratio": t_mask / t_ref, "target": "≤ 3× reference time"},
         ]
     return rows
-
-
-def _proc_status_kb(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss_kb() -> int:
-    """Reset the peak-RSS mark (Linux clear_refs) and return the current RSS in kB."""
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    return _proc_status_kb("VmRSS")
 
 
 def _gather_child(queue, kind: str, n_tokens: int, vocab: int, k: int, backward: bool, repeat: int) -> None:
@@ -147,21 +120,12 @@ def _gather_child(queue, kind: str, n_tokens: int, vocab: int, k: int, backward:
             logits.grad = None
         return out
 
-    base = _reset_peak_rss_kb()
-    once()
-    peak = _proc_status_kb("VmHWM")
-    seconds = _best_of(once, repeat)
-    queue.put({"extra_mb": (peak - base) / 1024.0, "seconds": seconds})
+    extra_mb = peak_extra_mb(once)
+    queue.put({"extra_mb": extra_mb, "seconds": best_of(once, repeat)})
 
 
 def _measure_gather(kind: str, n_tokens: int, vocab: int, k: int, backward: bool, repeat: int) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_gather_child, args=(queue, kind, n_tokens, vocab, k, backward, repeat))
-    proc.start()
-    result = queue.get(timeout=900)
-    proc.join()
-    return result
+    return in_fresh_process(_gather_child, kind, n_tokens, vocab, k, backward, repeat)
 
 
 def bench_gather(n_tokens: int, vocab: int, k: int, repeat: int,

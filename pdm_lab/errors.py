@@ -71,5 +71,6 @@ def check_logp(name: str, logp: Tensor, *, allow_neg_inf: bool = True) -> None:
         return
     raise_at(name, torch.isnan(logp), "NaN log-probability")
     raise_at(name, logp == float("inf"), "+inf log-probability")
-    raise_at(name, logp == float("-inf"), "-inf log-probability (zero probability) not allowed")
+    if not allow_neg_inf:  # a legal −inf elsewhere must not hide the real fault below
+        raise_at(name, logp == float("-inf"), "-inf log-probability (zero probability) not allowed")
     raise_at(name, logp > tol, "log-probability above 0", logp)

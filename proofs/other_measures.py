@@ -105,7 +105,6 @@ def _generic_f_residual(size: int) -> sp.Expr:
     f(ρ_i) and f′(ρ_i) become free symbols F_i, G_i (the identity must hold for every f), so the
     residual is a rational function that ``cancel`` reduces exactly.
     """
-    x = sp.Symbol("x", positive=True)
     f = sp.Function("f")
     w, mu = weights(size), simplex_point(size)
     pi = softmax_of(w)

@@ -17,7 +17,6 @@ response tokens per rank from the run).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -26,6 +25,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from pdm_lab.benchtools import in_fresh_process, peak_extra_mb
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-cpu.yaml"
 
@@ -102,26 +103,12 @@ def saved_bytes(kind: str, hidden: int, vocab: int, k: int, n: int, chunk: int |
 
 
 def _rss_child(queue, kind, hidden, vocab, k, n, chunk):
-    def status(field):
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
-
     fn, _ = _gather_fn(kind, hidden, vocab, k, n, chunk)
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    base = status("VmRSS")
-    fn()[:, 0].sum().backward()
-    queue.put((status("VmHWM") - base) / 1024.0)
+    queue.put(peak_extra_mb(lambda: fn()[:, 0].sum().backward()))
 
 
 def peak_rss_mb(kind, hidden, vocab, k, n, chunk) -> float:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_rss_child, args=(q, kind, hidden, vocab, k, n, chunk))
-    p.start()
-    out = q.get(timeout=600)
-    p.join()
-    return out
+    return in_fresh_process(_rss_child, kind, hidden, vocab, k, n, chunk, timeout=600)
 
 
 def gather_rows(hidden: int, vocab: int, k: int, n: int) -> list[dict]:

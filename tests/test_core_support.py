@@ -1,9 +1,11 @@
 """Support construction: conventions, tie-breaking, engine-side vs full-side agreement, divergences."""
+import pytest
 import torch
 from hypothesis import given, strategies as st
 
 from core_helpers import mismatched_pair, random_logp, sample_from
-from pdm_lab.divergence import full_kl, topk_kl
+from pdm_lab.divergence import full_kl
+from pdm_lab.errors import PDMInputError
 from pdm_lab.policy_side import policy_on_support
 from pdm_lab.stats import token_stats
 from pdm_lab.support import support_from_full, support_from_slots, support_from_topk, topk_lower_id_ties
@@ -115,3 +117,54 @@ def test_support_from_slots_kslot_input():
                            torch.tensor([7]), vocab_size=10)
     assert s.k_index.tolist() == [2] and s.tail_count.tolist() == [7]
     torch.testing.assert_close(torch.exp(s.mu_tail_logp), torch.tensor([0.2]))
+
+
+def _engine_batch(seed: int, n_rows: int = 48, width: int = 6, vocab: int = 40):
+    """Engine-style rows: μ's top-`width` (some rows with −1 pads at the end), the sampled id."""
+    gen = torch.Generator().manual_seed(seed)
+    mu = random_logp(n_rows, vocab, seed)
+    sampled = sample_from(mu, seed)
+    vals, ids = torch.sort(mu, dim=1, descending=True, stable=True)
+    ids, vals = ids[:, :width].clone(), vals[:, :width].clone()
+    pad = torch.arange(width) >= width - torch.randint(0, 3, (n_rows, 1), generator=gen)
+    ids[pad], vals[pad] = -1, 0.0  # padding: the log-prob there is ignored
+    return ids, vals, sampled, mu.gather(1, sampled[:, None])[:, 0], vocab
+
+
+def _same_support(a, b):
+    for f in ("ids", "valid", "k_index", "tail_count"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    for f in ("mu_logp", "mu_tail_logp", "mu_kth_logp"):
+        torch.testing.assert_close(getattr(a, f), getattr(b, f), rtol=1e-12, atol=1e-12, msg=f)
+
+
+def test_compiled_support_matches_eager():
+    """The torch.compile path builds the same support as eager, and fails with the same message."""
+    for seed in range(3):
+        ids, vals, sampled, sampled_logp, n = _engine_batch(seed)
+        if seed == 2:  # an unordered batch: sorted first, then built
+            perm = torch.randperm(ids.shape[1], generator=torch.Generator().manual_seed(seed))
+            ids, vals = ids[:, perm], vals[:, perm]
+        keep = torch.rand(len(sampled), generator=torch.Generator().manual_seed(seed)) < 0.8
+        for kw in ({"convention": "union", "row_mask": keep}, {"convention": "kslot"}):
+            build = lambda c: support_from_topk(ids, vals, sampled, sampled_logp, vocab_size=n, k=4,
+                                                compiled=c, **kw)
+            _same_support(build(False), build(True))
+        s = support_from_full(random_logp(48, n, seed), sampled, k=4)
+        slots = lambda c: support_from_slots(s.ids, s.mu_logp, s.sampled, vocab_size=n, compiled=c)
+        _same_support(slots(False), slots(True))
+
+    ids, vals, sampled, sampled_logp, n = _engine_batch(7)
+    bad_ids, bad_sampled = ids.clone(), sampled.clone()
+    bad_ids[5, 1] = bad_ids[5, 0]
+    corrupt = [(bad_ids, vals, sampled), (ids.masked_fill(ids == ids[9, 2], n + 3), vals, sampled),
+               (ids, vals.index_put((torch.tensor(3), torch.tensor(0)), torch.tensor(float("nan"), dtype=vals.dtype)), sampled),
+               (ids, vals + 2.0, sampled), (ids, vals, bad_sampled.fill_(n))]
+    for cids, cvals, csampled in corrupt:
+        messages = []
+        for c in (False, True):
+            with pytest.raises(PDMInputError) as err:
+                support_from_topk(cids, cvals, csampled, sampled_logp, vocab_size=n, k=4, convention="kslot",
+                                  compiled=c)
+            messages.append(str(err.value))
+        assert messages[0] == messages[1]
