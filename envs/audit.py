@@ -22,13 +22,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import paired_bootstrap_ci, sign_test, unsafe_keep_rates
 from pdm_lab.config import MaskConfig, to_dict
 
 from .mismatch import Mismatch
 from .policies import make_policy
 from .problems import ProblemConfig, make_problem
-from .rollout import RolloutRNG, group_advantages
+from .rollout import RolloutRNG
 from .train import TrainConfig, make_optimizer
 from .update import TokenBatch, current_stats, masked_loss, outside_region, token_batch
 

@@ -56,26 +56,3 @@ class RolloutRNG:
         self.rewards = UniformPool(torch.Generator().manual_seed(seed * 4 + 2))
         self.noise = torch.Generator().manual_seed(seed * 4 + 3)
         self.order = torch.Generator().manual_seed(seed * 4 + 4)
-
-
-def group_advantages(rewards: Tensor, groups: Tensor, *, scale_by_std: bool = True,
-                     eps: float = 1e-6) -> Tensor:
-    """GRPO advantages: Â = (R − mean_group R) / (std_group R + ε) per sequence.
-
-    Args:
-        rewards: [B] float32.
-        groups: [B] int64 group ids in [0, G).
-        scale_by_std: divide by the group's standard deviation (GRPO); False gives Dr. GRPO's
-            mean-centred advantage.
-
-    Returns:
-        [B] float32. A group whose rewards are all equal gets Â = 0 (no signal).
-    """
-    num = int(groups.max()) + 1 if groups.numel() else 0
-    count = torch.zeros(num).index_add_(0, groups, torch.ones_like(rewards))
-    mean = torch.zeros(num).index_add_(0, groups, rewards) / count.clamp(min=1)
-    centred = rewards - mean[groups]
-    if not scale_by_std:
-        return centred
-    var = torch.zeros(num).index_add_(0, groups, centred ** 2) / (count - 1).clamp(min=1)
-    return centred / (var.sqrt()[groups] + eps)

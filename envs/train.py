@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import unsafe_keep_rates
 from pdm_lab.config import MaskConfig
 
@@ -22,7 +23,7 @@ from .mismatch import Mismatch
 from .policies import make_policy
 from .problems import ProblemConfig, make_problem
 from .records import JsonlWriter
-from .rollout import RolloutRNG, group_advantages
+from .rollout import RolloutRNG
 from .update import current_stats, masked_loss, outside_region, token_batch
 
 OPTIMIZERS = ("adam", "sgd")

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .advantages import group_advantages
+from pdm_lab.advantages import group_advantages
+
 from .assets import check_model_config, load_data, load_tokenizer, model_dir, stop_token_ids
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig, save_config
@@ -177,7 +178,7 @@ def run_training(cfg: TrainConfig) -> Path:
         batch.response_mask &= ok[:, None]
 
         # 4. GRPO advantages over each prompt's group (complete inside this data-parallel group)
-        adv = group_advantages(rewards, batch.group, ok, norm_by_std=cfg.algo.norm_by_std,
+        adv = group_advantages(rewards, batch.group, ok, scale_by_std=cfg.algo.norm_by_std,
                                eps=cfg.algo.std_eps)
         if lay.tp > 1:  # the ranks of a tensor-parallel group train on different sequences
             part = list(range(lay.tp_rank * per_rank, (lay.tp_rank + 1) * per_rank))

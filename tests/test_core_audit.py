@@ -35,3 +35,16 @@ def test_bootstrap_ci_covers_mean_and_shrinks():
 def test_nan_pairs_dropped():
     mean, lo, hi = paired_bootstrap_ci([1.0, float("nan"), 3.0], [0.0, 0.0, 1.0], seed=0)
     assert mean == pytest.approx(1.5)
+
+
+def test_group_advantages_invalid_samples_and_flat_groups():
+    from pdm_lab.advantages import group_advantages
+
+    r = torch.tensor([1.0, 0.0, 0.0, 5.0, 2.0, 2.0, 3.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    ok = torch.tensor([True, True, True, False, True, True, True])
+    a = group_advantages(r, g, ok)
+    assert a[3] == 0 and a[4] == 0 and a[5] == 0 and a[6] == 0  # skipped, flat group, singleton
+    assert abs(float(a[:3].sum())) < 1e-6 and a[0] > 0 > a[1]
+    torch.testing.assert_close(a[:3], torch.tensor([2 / 3, -1 / 3, -1 / 3]) / ((1 / 3) ** 0.5 + 1e-6))
+    assert group_advantages(r, g, ok, scale_by_std=False)[:3].tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3])

@@ -12,7 +12,8 @@ from pdm_lab.envs.mismatch import Mismatch
 from pdm_lab.envs.policies import make_policy
 from pdm_lab.envs.prior import zipf_logits, zipf_tail_mass
 from pdm_lab.envs.problems import ProblemConfig, make_problem
-from pdm_lab.envs.rollout import RolloutRNG, group_advantages
+from pdm_lab.advantages import group_advantages
+from pdm_lab.envs.rollout import RolloutRNG
 from pdm_lab.envs.sampling import UniformPool, sample_from_cdf, sample_from_logits
 from pdm_lab.envs.tasks import make_task
 

@@ -15,7 +15,7 @@ import pdm_lab.policy_side
 import pdm_lab.support
 from pdm_lab.config import MaskConfig
 from pdm_lab.scaling import policy_model, train_step
-from pdm_lab.scaling.advantages import group_advantages
+from pdm_lab.advantages import group_advantages
 from pdm_lab.scaling.config import TinyModelConfig, TrainerConfig
 from pdm_lab.scaling.fp8 import dequantize_blockwise, quantize_blockwise, quantize_dequantize
 from pdm_lab.scaling.policy_model import PolicyModel
@@ -35,7 +35,7 @@ def test_group_advantages():
     assert torch.allclose(a[:3].sum(), torch.tensor(0.0), atol=1e-6) and a[0] > 0 > a[1]
     assert torch.equal(a[4:6], torch.zeros(2))  # equal rewards: no signal
     assert torch.allclose(a[6:], torch.tensor([0.25, -0.25]) / (0.25 * math.sqrt(2) + 1e-6), atol=1e-5)
-    dr = group_advantages(r, g, ok, norm_by_std=False)
+    dr = group_advantages(r, g, ok, scale_by_std=False)
     assert torch.allclose(dr[6:], torch.tensor([0.25, -0.25]))
 
 
