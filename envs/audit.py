@@ -95,9 +95,8 @@ class AuditConfig:
             raise ValueError(f"sequences ({self.sequences}) must be a multiple of group_size ({self.group_size})")
 
     def mask(self, rule: str, k: int | None = None) -> MaskConfig:
-        estimator = rule.removeprefix("pdm_") if rule.startswith("pdm_") else "uniform"
         return MaskConfig(rule=rule, delta=self.delta, k=self.k if k is None else k,
-                          convention=self.convention, estimator=estimator)
+                          convention=self.convention)
 
     @property
     def all_rules(self) -> tuple[str, ...]:

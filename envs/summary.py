@@ -7,6 +7,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from pdm_lab.masks import MASK_RULES
+
 
 def finite(values: Iterable) -> list[float]:
     return [float(v) for v in values if v is not None and not math.isnan(float(v))]
@@ -49,9 +51,10 @@ def group_rows(rows: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, li
 def config_label(row: dict) -> str:
     """A mask configuration's display name: rule, plus δ/K/convention when not the paper's."""
     parts = [row["rule"]]
-    if row.get("delta") is not None and row["rule"] not in ("none", "ppo_clip", "icepop"):
+    record = MASK_RULES.get(row["rule"])
+    if row.get("delta") is not None and record is not None and record.uses_delta:
         parts.append(f"δ={row['delta']:g}")
-    if row.get("k") is not None and row["rule"] not in ("none", "ppo_clip", "icepop"):
+    if row.get("k") is not None and record is not None and record.uses_support:
         if row["k"] != 20:
             parts.append(f"K={row['k']}")
         if row.get("convention", "union") != "union":

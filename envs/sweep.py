@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdm_lab.config import MaskConfig, from_dict, to_dict
+from pdm_lab.masks import get_mask_rule
 
 from .mismatch import Mismatch
 from .records import plain, read_jsonl, write_json_atomic
@@ -36,10 +37,6 @@ COLUMNS = (
     "realised_full_kl_max", "update_topk_kl_mean", "mask_fraction", "outside_fraction",
     "dir_disagree", "unsafe_keep", "shrink", "unsafe_keep_count", "wall_s",
 )
-
-
-#: Rules whose keep/drop decision uses neither δ nor the top-K support (only r and Â).
-REGION_FREE_RULES = ("none", "ppo_clip", "icepop")
 
 
 @dataclass(frozen=True)
@@ -76,16 +73,19 @@ class SweepConfig:
     def cells(self) -> list[TrainConfig]:
         """One TrainConfig per cell (seed 0; the seed is set per run).
 
-        Rules whose mask ignores δ and the support (``REGION_FREE_RULES``) get one cell per
-        mismatch setting, at the first δ, K and convention, instead of repeats of one run.
+        A rule whose record reads neither δ nor the support (``MaskRule.uses_delta`` /
+        ``uses_support``) gets one value of that axis (the first) instead of repeats of one run.
         """
         out = []
         for rule in self.rules:
-            free = rule in REGION_FREE_RULES
+            record = get_mask_rule(rule)
+            deltas = self.deltas if record.uses_delta else self.deltas[:1]
+            ks = self.ks if record.uses_support else self.ks[:1]
+            conventions = self.conventions if record.uses_support else self.conventions[:1]
             for spec in self.mismatches:
-                for delta in self.deltas[:1] if free else self.deltas:
-                    for k in self.ks[:1] if free else self.ks:
-                        for convention in self.conventions[:1] if free else self.conventions:
+                for delta in deltas:
+                    for k in ks:
+                        for convention in conventions:
                             mask = replace(self.base.mask, rule=rule, delta=delta, k=k,
                                            convention=convention)
                             out.append(replace(self.base, mask=mask, seed=0,
@@ -119,7 +119,7 @@ def mismatch_axis(spec: str) -> tuple[str, float]:
 
 def estimator_of(mask: MaskConfig) -> str:
     """The Ḋ estimator a rule uses (``pdm_<estimator>``), else the metrics' estimator."""
-    return mask.rule.removeprefix("pdm_") if mask.rule.startswith("pdm_") else mask.estimator
+    return mask.direction_estimator
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ def token_batch(batch: RolloutBatch, advantages: Tensor, cfg: MaskConfig) -> Tok
 
 def needs_full(cfg: MaskConfig) -> bool:
     """True if the rule or the direction metric uses the ``exact`` Ḋ (full distributions)."""
-    return cfg.rule == "pdm_exact" or cfg.estimator == "exact"
+    return "full" in cfg.rule_record.needs or cfg.direction_estimator == "exact"
 
 
 def masked_loss(policy, tokens: TokenBatch, cfg: MaskConfig, *, full: bool | None = None) -> LossOutput:

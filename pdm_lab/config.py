@@ -14,6 +14,10 @@ from typing import Any, TypeVar
 
 import yaml
 
+from .direction import DDOT_ESTIMATORS
+from .masks import MASK_RULES, MaskRule
+from .support import CONVENTIONS
+
 T = TypeVar("T")
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -37,8 +41,9 @@ class MaskConfig:
     """K, how many of μ's top tokens the rollout exposes (paper: 20)."""
     convention: str = "union"
     """Support convention: ``union`` (paper, TopK ∪ {k}) or ``kslot`` (DPPO's public code)."""
-    estimator: str = "uniform"
-    """Ḋ estimator used by the direction metrics (rules ``pdm_<estimator>`` name their own)."""
+    estimator: str | None = None
+    """Ḋ estimator of the direction metrics; None: the rule's own (``MaskRule.estimator``), or
+    ``topk`` (the exact derivative of the thresholded D) for rules without one."""
     eps_low: float = 0.2
     """ppo_clip lower ε (GRPO clip-higher: 0.2)."""
     eps_high: float = 0.28
@@ -55,13 +60,10 @@ class MaskConfig:
     """Fixed horizon for ``seq-mean-token-sum-norm``; None: the padded response length."""
 
     def __post_init__(self) -> None:
-        from .direction import DDOT_ESTIMATORS
-        from .masks import MASK_RULES
-        from .support import CONVENTIONS
-
         _one_of("mask.rule", self.rule, MASK_RULES)
         _one_of("mask.convention", self.convention, CONVENTIONS)
-        _one_of("mask.estimator", self.estimator, DDOT_ESTIMATORS)
+        if self.estimator is not None:
+            _one_of("mask.estimator", self.estimator, DDOT_ESTIMATORS)
         _one_of("mask.aggregation", self.aggregation, AGGREGATIONS)
         for name in ("delta", "eps_low", "eps_high", "icepop_low"):
             if getattr(self, name) < 0:
@@ -80,6 +82,16 @@ class MaskConfig:
     @property
     def delta_for_negative(self) -> float:
         return self.delta if self.delta_neg is None else self.delta_neg
+
+    @property
+    def rule_record(self) -> MaskRule:
+        """The registry's record of ``rule`` (its divergence, estimator, what it reads)."""
+        return MASK_RULES[self.rule]
+
+    @property
+    def direction_estimator(self) -> str:
+        """The Ḋ estimator the direction metrics use: ``estimator``, else the rule's, else ``topk``."""
+        return self.estimator or self.rule_record.estimator or "topk"
 
 
 def _one_of(where: str, value: str, valid: typing.Iterable[str]) -> None:

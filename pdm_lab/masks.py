@@ -1,12 +1,21 @@
 """The mask-rule registry (SPEC §4). M = 1 keeps a token's gradient, 0 drops it.
 
-A rule is one function ``(stats, advantages, cfg) -> drop`` registered by name; adding a rule is
-one decorated function and one test. Masks are constants in the gradient (no grad), and Â = 0 or
-a zero direction always keeps the token (every outward test below is a strict inequality).
+A rule is a record (``MaskRule``): its name, the divergence it thresholds, the Ḋ estimator that
+decides its direction (or none), whether it reads δ and the reduced support, and its drop
+function ``(stats, advantages, cfg) -> [N] bool``. Stages ask the record; nothing parses rule
+names. Adding a rule is one decorated function and one test::
+
+    @register_mask("my_rule", divergence="topk_kl", estimator="topk")
+    def my_rule(stats, advantages, cfg):
+        return outside_region(stats.topk_kl, advantages, cfg) & (advantages * stats.ddot["topk"] > 0)
+
+Masks are constants in the gradient (no grad), and Â = 0 or a zero direction always keeps the
+token (every outward test below is a strict inequality).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor
@@ -15,24 +24,73 @@ from .direction import DDOT_ESTIMATORS
 from .errors import PDMInputError, check_same, raise_at
 
 if TYPE_CHECKING:
-    from .config import MaskConfig
     from .stats import TokenStats
 
-MaskRule = Callable[["TokenStats", Tensor, "MaskConfig"], Tensor]
+DropFn = Callable[["TokenStats", Tensor, Any], Tensor]
+
+#: The per-token divergences a rule may threshold: attribute names of ``TokenStats``.
+DIVERGENCES = ("topk_kl", "topk_tv", "binary_kl", "binary_tv")
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """One registered rule and the facts about it that stages, metrics and reports need."""
+
+    name: str
+    drop: DropFn
+    """``(stats, advantages, cfg) -> [N] bool`` drop tensor (cfg: a ``MaskConfig``)."""
+    divergence: str | None = None
+    """the ``TokenStats`` divergence compared with δ (``topk_kl``, …), or None (no trust region)."""
+    estimator: str | None = None
+    """the Ḋ estimator whose sign decides the direction (``pdm_*``), or None (ratio test / none)."""
+    uses_delta: bool = False
+    """reads δ (and δ_neg): a sweep over δ is meaningful for this rule."""
+    uses_support: bool = False
+    """reads the reduced top-K support (K and the convention change its decisions)."""
+    level: str = "token"
+    """``token`` or ``sequence`` (drops whole responses; sees the [B, T] layout)."""
+    needs: tuple[str, ...] = ()
+    """inputs beyond token stats: ``full`` (full distributions), ``coupled`` (c_t from the stage)."""
+    doc: str = ""
+
+    def __call__(self, stats: "TokenStats", advantages: Tensor, cfg: Any) -> Tensor:
+        return self.drop(stats, advantages, cfg)
+
+
 MASK_RULES: dict[str, MaskRule] = {}
 
 
-def register_mask(name: str) -> Callable[[MaskRule], MaskRule]:
-    """Decorator: register a rule returning a [N] bool *drop* tensor under `name`."""
-    def wrap(fn: MaskRule) -> MaskRule:
+def register_mask(name: str, *, divergence: str | None = None, estimator: str | None = None,
+                  uses_delta: bool | None = None, uses_support: bool | None = None,
+                  level: str = "token", needs: tuple[str, ...] = ()) -> Callable[[DropFn], DropFn]:
+    """Decorator: register a drop function under `name` with its facts (see ``MaskRule``).
+
+    ``uses_delta`` defaults to "thresholds a divergence"; ``uses_support`` to "thresholds a top-K
+    divergence or uses a Ḋ estimator".
+    """
+    if divergence is not None and divergence not in DIVERGENCES:
+        raise ValueError(f"rule {name!r}: divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if estimator is not None and estimator not in DDOT_ESTIMATORS:
+        raise ValueError(f"rule {name!r}: unknown Ḋ estimator {estimator!r}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"rule {name!r}: level must be 'token' or 'sequence', got {level!r}")
+    if uses_delta is None:
+        uses_delta = divergence is not None
+    if uses_support is None:
+        uses_support = estimator is not None or (divergence or "").startswith("topk")
+
+    def wrap(fn: DropFn) -> DropFn:
         if name in MASK_RULES:
             raise ValueError(f"mask rule {name!r} is already registered")
-        MASK_RULES[name] = fn
+        MASK_RULES[name] = MaskRule(name=name, drop=fn, divergence=divergence, estimator=estimator,
+                                    uses_delta=uses_delta, uses_support=uses_support, level=level,
+                                    needs=tuple(needs), doc=(fn.__doc__ or "").strip())
         return fn
     return wrap
 
 
 def get_mask_rule(name: str) -> MaskRule:
+    """The record of rule `name`; an unknown name raises, listing the valid ones."""
     try:
         return MASK_RULES[name]
     except KeyError:
@@ -40,7 +98,7 @@ def get_mask_rule(name: str) -> MaskRule:
 
 
 @torch.no_grad()
-def compute_mask(cfg: "MaskConfig", stats: "TokenStats", advantages: Tensor) -> Tensor:
+def compute_mask(cfg: Any, stats: "TokenStats", advantages: Tensor) -> Tensor:
     """[N] keep mask (1.0 keep, 0.0 drop) of rule ``cfg.rule``, in the dtype of ``stats.ratio``."""
     check_same(("advantages", "stats.ratio"), advantages, stats.ratio)
     raise_at("advantages", ~torch.isfinite(advantages), "non-finite advantage", advantages)
@@ -48,69 +106,63 @@ def compute_mask(cfg: "MaskConfig", stats: "TokenStats", advantages: Tensor) -> 
     return (~drop).to(stats.ratio.dtype)
 
 
-def outside_region(divergence: Tensor, advantages: Tensor, cfg: "MaskConfig") -> Tensor:
+def outside_region(divergence: Tensor, advantages: Tensor, cfg: Any) -> Tensor:
     """[N] bool: divergence > δ (δ_neg for Â < 0, as DPPO's code allows) — outside the region."""
     delta = torch.where(advantages < 0, cfg.delta_for_negative, cfg.delta).to(divergence.dtype)
     return divergence > delta
 
 
-def _ratio_outward(stats: "TokenStats", advantages: Tensor) -> Tensor:
+def ratio_outward(stats: "TokenStats", advantages: Tensor) -> Tensor:
     """PPO/DPPO direction test Â(r − 1) > 0, on log r to avoid rounding r at 1."""
     return advantages * stats.log_ratio > 0
 
 
+def predictive_outward(stats: "TokenStats", advantages: Tensor, estimator: str) -> Tensor:
+    """PDM direction test Â·Ḋ_estimator > 0: the update would grow the divergence (SPEC §3)."""
+    if estimator not in stats.ddot:
+        raise PDMInputError(f"Ḋ_{estimator}: these stats lack it "
+                            "(`exact` needs the full distributions)")
+    return advantages * stats.ddot[estimator] > 0
+
+
 @register_mask("none")
-def mask_none(stats: "TokenStats", advantages: Tensor, cfg: "MaskConfig") -> Tensor:
+def mask_none(stats: "TokenStats", advantages: Tensor, cfg: Any) -> Tensor:
     """Keep everything (plain importance-weighted policy gradient)."""
     return torch.zeros_like(advantages, dtype=torch.bool)
 
 
 @register_mask("ppo_clip")
-def mask_ppo_clip(stats: "TokenStats", advantages: Tensor, cfg: "MaskConfig") -> Tensor:
+def mask_ppo_clip(stats: "TokenStats", advantages: Tensor, cfg: Any) -> Tensor:
     """Drop (Â>0 ∧ r>1+ε_high) ∨ (Â<0 ∧ r<1−ε_low); GRPO clip-higher is (0.2, 0.28)."""
     r = stats.ratio
     return ((advantages > 0) & (r > 1 + cfg.eps_high)) | ((advantages < 0) & (r < 1 - cfg.eps_low))
 
 
-@register_mask("dppo_binary_tv")
-def mask_dppo_binary_tv(stats, advantages, cfg):
-    """DPPO: drop |π_k − μ_k| > δ ∧ Â(r−1) > 0."""
-    return outside_region(stats.binary_tv, advantages, cfg) & _ratio_outward(stats, advantages)
-
-
-@register_mask("dppo_binary_kl")
-def mask_dppo_binary_kl(stats, advantages, cfg):
-    """DPPO: drop Bernoulli KL(μ_k‖π_k) > δ ∧ Â(r−1) > 0."""
-    return outside_region(stats.binary_kl, advantages, cfg) & _ratio_outward(stats, advantages)
-
-
-@register_mask("dppo_topk_tv")
-def mask_dppo_topk_tv(stats, advantages, cfg):
-    """DPPO: drop top-K TV > δ ∧ Â(r−1) > 0."""
-    return outside_region(stats.topk_tv, advantages, cfg) & _ratio_outward(stats, advantages)
-
-
-@register_mask("dppo_topk_kl")
-def mask_dppo_topk_kl(stats, advantages, cfg):
-    """DPPO-TopK-KL (the paper's baseline): drop D > δ ∧ Â(r−1) > 0."""
-    return outside_region(stats.topk_kl, advantages, cfg) & _ratio_outward(stats, advantages)
-
-
-def pdm_rule(estimator: str) -> MaskRule:
+def _dppo_rule(divergence: str, title: str) -> DropFn:
     def rule(stats, advantages, cfg):
-        if estimator not in stats.ddot:
-            raise PDMInputError(f"rule pdm_{estimator}: needs Ḋ_{estimator}, which these stats lack "
-                                "(`exact` needs the full distributions)")
-        return outside_region(stats.topk_kl, advantages, cfg) & (advantages * stats.ddot[estimator] > 0)
+        return outside_region(getattr(stats, divergence), advantages, cfg) & ratio_outward(stats, advantages)
+    rule.__doc__ = f"{title}: drop {divergence} > δ ∧ Â(r−1) > 0 (DPPO: trust region, ratio direction)."
+    return rule
+
+
+for _divergence, _title in (("binary_tv", "DPPO-Binary-TV"), ("binary_kl", "DPPO-Binary-KL"),
+                            ("topk_tv", "DPPO-TopK-TV"), ("topk_kl", "DPPO-TopK-KL (the paper's baseline)")):
+    register_mask(f"dppo_{_divergence}", divergence=_divergence)(_dppo_rule(_divergence, _title))
+
+
+def _pdm_rule(estimator: str) -> DropFn:
+    def rule(stats, advantages, cfg):
+        return outside_region(stats.topk_kl, advantages, cfg) & predictive_outward(stats, advantages, estimator)
     rule.__doc__ = f"PDM: drop D > δ ∧ Â·Ḋ_{estimator} > 0 (the update would grow the top-K KL)."
     return rule
 
 
 for _name in DDOT_ESTIMATORS:
-    register_mask(f"pdm_{_name}")(pdm_rule(_name))
+    register_mask(f"pdm_{_name}", divergence="topk_kl", estimator=_name,
+                  needs=("full",) if _name == "exact" else ())(_pdm_rule(_name))
 
 
 @register_mask("icepop")
 def mask_icepop(stats, advantages, cfg):
-    """IcePop: drop r ∉ [α, β], both directions."""
-    return (stats.ratio < cfg.icepop_low) | (stats.ratio > cfg.icepop_high)
+    """IcePop: drop r ∉ [α, β], both directions (Â = 0 kept: it carries no gradient)."""
+    return ((stats.ratio < cfg.icepop_low) | (stats.ratio > cfg.icepop_high)) & (advantages != 0)

@@ -59,8 +59,8 @@ def step_metrics(stats: "TokenStats", keep: Tensor, advantages: Tensor, response
     if stats.full_kl is not None:
         metrics["div/full_kl_mean"] = _mean(stats.full_kl, response)
         metrics["div/full_kl_max"] = _masked_max(stats.full_kl, response)
-    if cfg.estimator in stats.ddot:
-        disagree = direction_disagreement(stats, cfg.estimator).to(dropped.dtype)
+    if cfg.direction_estimator in stats.ddot:
+        disagree = direction_disagreement(stats, cfg.direction_estimator).to(dropped.dtype)
         metrics["mask/dir_disagree"] = _mean(disagree, outside)
     certain = (stats.ddot_lower > 0) | (stats.ddot_upper < 0)
     metrics["mask/ddot_sign_certified"] = _mean(certain.to(dropped.dtype), outside)

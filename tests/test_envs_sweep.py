@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pdm_lab.config import MaskConfig
 from pdm_lab.envs.executors import LocalExecutor, make_executor
 from pdm_lab.envs.problems import ProblemConfig
 from pdm_lab.envs.sweep import COLUMNS, SweepConfig, cell_id, load_runs, mismatch_axis, run_sweep
@@ -50,7 +51,7 @@ def test_table_has_one_row_per_cell_and_seed(tmp_path):
     assert {(r["rule"], r["mismatch"], r["seed"]) for r in rows} == {
         (rule, mm, str(s)) for rule in TINY.rules for mm in TINY.mismatches for s in (0, 1)}
     as_json = json.loads((tmp_path / "results.json").read_text())
-    assert len(as_json) == 8 and as_json[0]["estimator"] in ("uniform",)
+    assert len(as_json) == 8 and as_json[0]["estimator"] == MaskConfig(rule=as_json[0]["rule"]).direction_estimator
     for cell in TINY.cells():
         for seed in (0, 1):
             log = tmp_path / "cells" / cell_id(cell) / f"seed_{seed}.jsonl"

@@ -243,7 +243,7 @@ def test_update_goes_through_the_registry_and_raises_good_samples(tiny_lm, monke
         calls.append(int(advantages.numel()))
         return original(stats, advantages, cfg)
 
-    monkeypatch.setitem(pdm_lab.masks.MASK_RULES, "pdm_topk", counting)
+    monkeypatch.setitem(pdm_lab.masks.MASK_RULES, "pdm_topk", dataclasses.replace(original, drop=counting))
     cfg = _Cfg(mask=MaskConfig(rule="pdm_topk", k=5), trainer=TrainerConfig(mini_batches=2, micro_batch_size=2))
     policy = PolicyModel(lm)
 
