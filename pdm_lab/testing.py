@@ -137,7 +137,10 @@ def oracle_row(mu_row: list[float], pi_row: list[float], sampled: int, k: int, c
         mk, pk = mu[sampled], pi[sampled]
         topk_kl = mpmath.fsum(_kl_term(mu[i], pi[i]) for i in support) + _kl_term(mu_t, pi_t)
         topk_tv = (mpmath.fsum(abs(mu[i] - pi[i]) for i in support) + abs(mu_t - pi_t)) / 2
-        binary_kl = _kl_term(mk, pk) + _kl_term(1 - mk, 1 - pk)
+        # 1 − p_k as the sum of the others: 1 − (1 − 1e-270) is 0 even at 60 digits
+        rest_mu = mpmath.fsum(mu[i] for i in range(len(mu)) if i != sampled)
+        rest_pi = mpmath.fsum(pi[i] for i in range(len(pi)) if i != sampled)
+        binary_kl = _kl_term(mk, pk) + _kl_term(rest_mu, rest_pi)
         head = (pk - mk) + mpmath.fsum(pi[i] * (mu[i] - pi[i]) for i in support)
         sumsq = mpmath.fsum(pi[i] ** 2 for i in tail)
         ddot_topk = head + ((mu_t / pi_t - 1) * sumsq if pi_t > 0 else 0)
@@ -168,8 +171,8 @@ def oracle_keep(row: dict, advantage: float, rule: str, delta: float, tol: float
 
 # --- the checks ---------------------------------------------------------------------------------
 
-def _run(check: Callable[[Case], None], cases, max_examples: int) -> None:
-    @settings(max_examples=max_examples, deadline=None, database=None,
+def _run(check: Callable[[Case], None], cases, max_examples: int, derandomize: bool) -> None:
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=derandomize,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(cases)
     def run(case):
@@ -178,10 +181,11 @@ def _run(check: Callable[[Case], None], cases, max_examples: int) -> None:
 
 
 def check_divergence(fn: Callable[..., Tensor], divergence: str = "topk_kl", *, rtol: float = 1e-6,
-                     atol: float = 1e-12, max_examples: int = 100, cases=None) -> None:
+                     atol: float = 1e-12, max_examples: int = 100, cases=None, derandomize: bool = True) -> None:
     """Assert ``fn(mu_logp, pi_logp, sampled, k, convention) -> [N]`` matches the oracle's
     `divergence` (|got − true| ≤ atol + rtol·true) on ``llm_cases``; raises ``AssertionError``
-    naming the token, both values and the (shrunk) case."""
+    naming the token, both values and the (shrunk) case. ``derandomize``: the same cases every
+    run (reproducible CI); False explores new ones each run."""
     if divergence not in ORACLE_DIVERGENCES:
         raise ValueError(f"divergence: unknown {divergence!r}; valid: {', '.join(ORACLE_DIVERGENCES)}")
 
@@ -193,11 +197,11 @@ def check_divergence(fn: Callable[..., Tensor], divergence: str = "topk_kl", *, 
             if not (abs(value - true) <= atol + rtol * abs(true)):  # NaN fails too
                 raise AssertionError(f"{divergence} of token {i}: got {value!r}, true {mpmath.nstr(true, 17)} "
                                      f"(regime {case.regime}, K={case.k}, {case.convention})")
-    _run(check, cases if cases is not None else llm_cases(), max_examples)
+    _run(check, cases if cases is not None else llm_cases(), max_examples, derandomize)
 
 
 def check_mask(fn: Callable[..., Tensor], rule: str = "dppo_topk_kl", *, delta: float = 0.15,
-               tol: float = 1e-9, max_examples: int = 100, cases=None) -> None:
+               tol: float = 1e-9, max_examples: int = 100, cases=None, derandomize: bool = True) -> None:
     """Assert ``fn(mu_logp, pi_logp, sampled, advantages, k, delta, convention) -> [N]`` keep
     (1 keep, 0 drop) equals SPEC §4's `rule` from the oracle on every token not on a boundary."""
     if rule not in ORACLE_MASKS:
@@ -211,7 +215,7 @@ def check_mask(fn: Callable[..., Tensor], rule: str = "dppo_topk_kl", *, delta: 
                 raise AssertionError(f"{rule} token {i}: got {'keep' if got[i] > 0.5 else 'drop'}, true "
                                      f"{'keep' if want else 'drop'} (D={mpmath.nstr(row['topk_kl'], 10)}, "
                                      f"regime {case.regime}, K={case.k}, {case.convention})")
-    _run(check, cases if cases is not None else llm_cases(), max_examples)
+    _run(check, cases if cases is not None else llm_cases(), max_examples, derandomize)
 
 
 # --- pdm_lab's own functions in the kit's signatures (what its tests check) ------------------
