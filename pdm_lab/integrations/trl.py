@@ -180,6 +180,7 @@ class PDMGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         out = self.pdm_loss_output(model, inputs)
+        self.pdm_last_output = out  # the last micro-batch's keep mask and stats, for inspection
         mode = "train" if self.model.training else "eval"
         for key, value in out.metrics.items():
             self._metrics[mode][f"pdm/{key}"].append(float(value))
