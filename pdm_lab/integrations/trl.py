@@ -97,11 +97,15 @@ class PDMGRPOTrainer(GRPOTrainer):
             raise NotImplementedError("PDMGRPOTrainer: multimodal rollouts are not supported")
         k = self.pdm_mask.k
         if self.use_vllm:
+            from trl.extras.profiling import profiling_context
+
             if self.state.global_step != self._last_loaded_step:
-                self.vllm_generation.sync_weights()
+                with profiling_context(self, "sync_weights"):
+                    self.vllm_generation.sync_weights()
                 self._last_loaded_step = self.state.global_step
             _, completion_ids, logprobs, token_ids = self.vllm_generation.generate(
-                prompts=prompt_ids, images=None, num_generations=num_generations)
+                prompts=prompt_ids, images=None, num_generations=num_generations,
+                profiler=profiling_context(self, "vLLM.generate"))
             rollout, sampled_logps = [], []
             for seq, lps, ids in zip(completion_ids, logprobs, token_ids, strict=True):
                 rows = [rows_from_vllm(lp, ti, tok, k) for tok, lp, ti in zip(seq, lps, ids, strict=True)]

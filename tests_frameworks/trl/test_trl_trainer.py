@@ -34,13 +34,12 @@ def test_untested_trl_version_is_refused(monkeypatch):
         require_version("trl")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def build_tiny(out):
+    """A tiny random Qwen3 and its local tokenizer (scaling/tiny_model.py's builders) in `out`."""
     from pdm_lab.scaling.config import TinyModelConfig
     from pdm_lab.scaling.tasks import corpus_for_tokenizer
     from pdm_lab.scaling.tiny_model import build_model, build_tokenizer
 
-    out = tmp_path_factory.mktemp("tiny-qwen3")
     tokenizer = build_tokenizer(corpus_for_tokenizer("add", seed=1, max_value=100, length=3), VOCAB)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     tiny = TinyModelConfig(vocab_size=VOCAB, init_std=0.5)  # larger init: peaked, LLM-like rows
@@ -50,6 +49,11 @@ def tiny_dir(tmp_path_factory):
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 def _dataset(n=8):
