@@ -26,10 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import mpmath
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import Tensor
+
+try:
+    import mpmath
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError as err:  # the core installs without them
+    raise ImportError(f"pdm_lab.testing needs hypothesis and mpmath: pip install 'pdm_lab[test]' ({err})") from None
 
 #: Regimes of ``llm_cases`` (each a way real logits break naive code).
 REGIMES = ("peaked", "flat", "ties", "near_certain", "deep_tail")

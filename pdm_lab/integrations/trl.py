@@ -129,8 +129,13 @@ class PDMGRPOTrainer(GRPOTrainer):
         inputs = {"input_ids": pad(prompts, padding_value=self._tokenizer.pad_token_id, padding_side="left"),
                   "attention_mask": pad([torch.ones_like(t) for t in prompts], padding_value=0, padding_side="left")}
         inputs = super(GRPOTrainer, self)._prepare_inputs(inputs)
+        # the same contexts as TRL's own generate path (DeepSpeed/FSDP gathering, generation kwargs)
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
-                                         generation_kwargs=self.generation_kwargs) as unwrapped, torch.no_grad():
+                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                                         generation_kwargs=self.generation_kwargs,
+                                         gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+                                         ) as unwrapped, torch.no_grad(), \
+                self._dist.summon_full_params(self.model_wrapped, recurse=False):
             out = unwrapped.generate(**inputs, generation_config=self.generation_config,
                                      output_scores=True, return_dict_in_generate=True)
         completion = out.sequences[:, inputs["input_ids"].size(1):]
