@@ -95,7 +95,10 @@ def _no_padding(values_padded, attention_mask):
     from verl.utils.attention_utils import index_first_axis, unpad_input
 
     _, indices, *_ = unpad_input(attention_mask.unsqueeze(-1).float(), attention_mask)
-    return index_first_axis(values_padded.reshape(-1, *values_padded.shape[2:]), indices)
+    flat = values_padded.reshape(-1, *values_padded.shape[2:])
+    if flat.dim() == 1:  # verl's index_first_axis wants [*, ...]: carry a trailing unit dim
+        return index_first_axis(flat[:, None], indices)[:, 0]
+    return index_first_axis(flat, indices)
 
 
 @pytest.mark.parametrize("rule", ["dppo_binary_kl", "seq_geo_mean", "ppo_clip_dual"])
@@ -111,9 +114,10 @@ def test_ppo_loss_through_verls_padding_equals_pdm_policy_loss(rule):
     # actor returns it; response token t sits at position P+t−1
     per_position = torch.zeros(B, P + T, dtype=torch.float64)
     per_position = torch.cat([per_position[:, : P - 1], pi_k, per_position[:, P - 1 + T:]], 1)
-    data["dp_size"] = 1
-    data["batch_num_tokens"] = None
-    data["global_batch_size"] = None
+    from verl.utils import tensordict_utils as tu
+
+    for key, value in (("dp_size", 1), ("batch_num_tokens", None), ("global_batch_size", None)):
+        tu.assign_non_tensor_data(data, key, value)  # one rank, local normalisation
     out = _no_padding(per_position, data["attention_mask"])
     loss, metrics = ppo_loss(_actor_config(rule), {"log_probs": out}, data)
     (grad,) = torch.autograd.grad(loss, pi_logits)
