@@ -84,7 +84,7 @@ def _trainer(tiny_dir, tmp_path, *, use_vllm: bool, cls=None):
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=12, max_steps=3, num_iterations=2, learning_rate=5e-2, beta=0.0,
                       temperature=1.0, top_k=0, top_p=1.0, logging_steps=1, report_to=[], use_cpu=True,
-                      seed=0, save_strategy="no", **extra)
+                      seed=0, save_strategy="no", bf16=False, **extra)  # fp32: exact comparison
     return (cls or PDMGRPOTrainer)(model=str(tiny_dir), reward_funcs=_reward, args=args, train_dataset=_dataset(),
                                    mask=MaskConfig(rule=RULE, delta=DELTA, k=K))
 
