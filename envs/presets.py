@@ -17,6 +17,13 @@ SWEEP_PRESETS: dict[str, SweepConfig] = {
         rules=("none", "ppo_clip", "dppo_topk_kl", "pdm_uniform"),
         mismatches=("none", "noise:1", "noise:2"),
         deltas=(0.15,), ks=(20,), seeds=4),
+    # SPEC §4b: the rules verl and slime ship, beside the paper's baseline and PDM (quick's size)
+    "frameworks": SweepConfig(
+        base=TrainConfig(problem=_TOKEN_MDP, policy="neural", steps=20),
+        rules=("ppo_clip", "ppo_clip_dual", "seq_geo_mean", "seq_k3", "opsm", "token_k1", "dppo_topk_kl",
+               "pdm_topk"),
+        mismatches=("none", "noise:1", "noise:2"),
+        deltas=(0.15,), ks=(20,), seeds=4),
     "paper": SweepConfig(
         base=TrainConfig(problem=_TOKEN_MDP, policy="neural", steps=60),
         rules=("ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_agg", "pdm_topk"),

@@ -8,6 +8,7 @@ from .config import ConfigError, MaskConfig
 from .diagnose import diagnose
 from .direction import DDOT_ESTIMATORS, register_ddot_estimator
 from .errors import PDMInputError
+from . import framework_rules  # noqa: F401  (registers the SPEC §4b rules)
 from .loss import LossOutput, aggregate, pdm_policy_loss
 from .masks import MASK_RULES, compute_mask, register_mask
 from .policy_side import PolicyOnSupport, policy_on_support, policy_on_support_reference

@@ -58,6 +58,20 @@ class MaskConfig:
     """Loss aggregation (DAPO's token-mean by default)."""
     horizon: int | None = None
     """Fixed horizon for ``seq-mean-token-sum-norm``; None: the padded response length."""
+    # SPEC §4b: the rules frameworks ship (pdm_lab/framework_rules.py)
+    dual_clip_c: float = 3.0
+    """``ppo_clip_dual``: also drop Â<0 ∧ r > c (verl's dual-clip default: 3)."""
+    seq_agg: str = "mean"
+    """``seq_*`` rules: aggregate of the per-token statistic over a response (mean, max, sum)."""
+    band_low: float | None = -0.02
+    """``seq_*``/``token_k*`` rules: drop below this (None: no lower bound). ±0.02 suits all four
+    statistics' scales (k1: geometric-mean ratio within e^±0.02; k2, k3, D are ≥ 0)."""
+    band_high: float | None = 0.02
+    """``seq_*``/``token_k*`` rules: drop above this (None: no upper bound)."""
+    veto_floor: float | None = None
+    """Sequence rules: drop a response if any token has r below this (verl's veto; None: off)."""
+    opsm_delta: float = 1e-4
+    """``opsm``: drop an Â<0 response whose mean log μ_k − log π_k exceeds this (slime: 1e-4)."""
 
     def __post_init__(self) -> None:
         _one_of("mask.rule", self.rule, MASK_RULES)
@@ -78,6 +92,7 @@ class MaskConfig:
             raise ConfigError(f"mask.clip_ratio_c: must be > 0, got {self.clip_ratio_c}")
         if self.horizon is not None and self.horizon < 1:
             raise ConfigError(f"mask.horizon: must be ≥ 1, got {self.horizon}")
+        _check_framework_fields(self)
 
     @property
     def delta_for_negative(self) -> float:
@@ -92,6 +107,22 @@ class MaskConfig:
     def direction_estimator(self) -> str:
         """The Ḋ estimator the direction metrics use: ``estimator``, else the rule's, else ``topk``."""
         return self.estimator or self.rule_record.estimator or "topk"
+
+
+def _check_framework_fields(cfg: MaskConfig) -> None:
+    from .framework_rules import BAND_RULES, SEQ_AGGREGATIONS
+
+    _one_of("mask.seq_agg", cfg.seq_agg, SEQ_AGGREGATIONS)
+    if cfg.dual_clip_c <= 1:
+        raise ConfigError(f"mask.dual_clip_c: must be > 1, got {cfg.dual_clip_c}")
+    if cfg.veto_floor is not None and cfg.veto_floor <= 0:
+        raise ConfigError(f"mask.veto_floor: must be > 0, got {cfg.veto_floor}")
+    if cfg.opsm_delta < 0:
+        raise ConfigError(f"mask.opsm_delta: must be ≥ 0, got {cfg.opsm_delta}")
+    if cfg.band_low is not None and cfg.band_high is not None and cfg.band_low > cfg.band_high:
+        raise ConfigError(f"mask.band_low ({cfg.band_low}) > band_high ({cfg.band_high})")
+    if cfg.rule in BAND_RULES and cfg.band_low is None and cfg.band_high is None:
+        raise ConfigError(f"mask.rule {cfg.rule!r} rejects outside [band_low, band_high]: set at least one")
 
 
 def _one_of(where: str, value: str, valid: typing.Iterable[str]) -> None:

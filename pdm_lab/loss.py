@@ -91,7 +91,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
     stats = token_stats(support, pi, mu_full=mu_full, pi_full=pi_full, compiled=compiled)
     adv = advantages.reshape(-1).to(stats.ratio.dtype)
     resp = response_mask.reshape(-1).bool()
-    keep = compute_mask(cfg, stats, torch.where(resp, adv, torch.zeros_like(adv)))
+    keep = compute_mask(cfg, stats, torch.where(resp, adv, torch.zeros_like(adv)), response_mask)
     logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
     mu_logp_k = support.mu_logp_k.to(logp_k.dtype)
     per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, cfg.clip_ratio_c)

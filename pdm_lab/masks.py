@@ -98,11 +98,23 @@ def get_mask_rule(name: str) -> MaskRule:
 
 
 @torch.no_grad()
-def compute_mask(cfg: Any, stats: "TokenStats", advantages: Tensor) -> Tensor:
-    """[N] keep mask (1.0 keep, 0.0 drop) of rule ``cfg.rule``, in the dtype of ``stats.ratio``."""
+def compute_mask(cfg: Any, stats: "TokenStats", advantages: Tensor,
+                 response_mask: Tensor | None = None) -> Tensor:
+    """[N] keep mask (1.0 keep, 0.0 drop) of rule ``cfg.rule``, in the dtype of ``stats.ratio``.
+
+    ``response_mask`` [B, T] (B·T = N): the layout a ``level="sequence"`` rule needs (SPEC §4b).
+    """
     check_same(("advantages", "stats.ratio"), advantages, stats.ratio)
     raise_at("advantages", ~torch.isfinite(advantages), "non-finite advantage", advantages)
-    drop = get_mask_rule(cfg.rule)(stats, advantages.to(stats.ratio.dtype), cfg)
+    rule = get_mask_rule(cfg.rule)
+    adv = advantages.to(stats.ratio.dtype)
+    if rule.level == "sequence":
+        if response_mask is None or response_mask.numel() != adv.numel() or response_mask.dim() != 2:
+            raise PDMInputError(f"rule {rule.name!r} is sequence-level: pass response_mask [B, T] with "
+                                f"B·T = {adv.numel()} (got {None if response_mask is None else tuple(response_mask.shape)})")
+        drop = rule.drop(stats, adv, cfg, response_mask)
+    else:
+        drop = rule(stats, adv, cfg)
     return (~drop).to(stats.ratio.dtype)
 
 

@@ -49,10 +49,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_promote(args: argparse.Namespace) -> int:
     from .promote import SweepError, promote
 
+    out = Path(args.out)  # --target trl|verl: the pdm run config goes beside the launch file
+    run_config = out if args.target == "pdm" else out.with_name(out.name + ".pdm.yaml")
     try:
-        promote(Path(args.sweep_dir), Path(args.base), Path(args.out), criterion=args.criterion,
+        promote(Path(args.sweep_dir), Path(args.base), run_config, criterion=args.criterion,
                 tie_tol=args.tie_tol, keep_base_aggregation=args.keep_base_aggregation)
-    except (SweepError, ConfigError, OSError) as err:
+        if args.target != "pdm":
+            from pdm_lab.integrations.launch_files import write_launch_file
+            print(f"[promote] {args.target} launch file → {write_launch_file(args.target, run_config, out)}")
+    except (SweepError, ConfigError, OSError, ValueError) as err:
         return _fail(str(err))
     return 0
 
@@ -83,6 +88,8 @@ def register(subparsers) -> None:
     q.add_argument("--tie-tol", type=float, default=0.0, help="rewards within this are ties (default 0)")
     q.add_argument("--keep-base-aggregation", action="store_true",
                    help="keep the base config's mask.aggregation and mask.horizon")
+    q.add_argument("--target", default="pdm", choices=["pdm", "trl", "verl"],
+                   help="pdm: a pdm-lab run config; trl: a PDMGRPOTrainer script; verl: a verl launch script")
     q.set_defaults(func=cmd_promote)
 
 

@@ -1,0 +1,156 @@
+"""Launch files for ``pdm-lab promote --target trl|verl``: a sweep's winning cell, ready to run there.
+
+Input: the promoted pdm_lab run config (``scaling`` ``TrainConfig``: model, data, rollout and
+trainer sections, the winning ``mask:`` and its ``provenance:``). Output:
+
+* ``trl`` — a Python script building ``PDMGRPOTrainer`` with that ``MaskConfig`` and the run's
+  model, data, group size, temperature, lengths and learning rate;
+* ``verl`` — a bash script calling ``python -m verl.trainer.main_ppo`` with the plugin's loss
+  (``pdm_lab.<rule>``, bypass mode) and the same settings as Hydra overrides. Rules that need
+  μ's top-K (``uses_support``) are refused here: they need the top-K patch set
+  (``pdm_lab.integrations.verl_topk``), which a plain verl launch does not apply.
+
+Both carry the provenance (sweep, cell, criterion, metrics, code version) as a header comment
+and as data, so a run can be traced back to the toy result that chose it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from ..config import MaskConfig, to_dict
+from ..masks import MASK_RULES
+
+TARGETS = ("pdm", "trl", "verl")
+
+
+def _header(cfg: Any, comment: str) -> str:
+    prov = dataclasses.asdict(cfg.provenance) if cfg.provenance is not None else {}
+    lines = [f"promoted by `pdm-lab promote` from toy sweep {prov.get('sweep_dir', '?')}, cell {prov.get('cell_id', '?')}",
+             f"criterion: {prov.get('criterion', '?')}",
+             f"code version: {prov.get('code_version', '?')}; created {prov.get('created', '?')}",
+             "provenance: " + json.dumps(prov, sort_keys=True, default=str)]
+    return "".join(f"{comment} {line}\n" for line in lines)
+
+
+def trl_script(cfg: Any) -> str:
+    """A runnable TRL script (Python) for the promoted run config `cfg`."""
+    mask = to_dict(cfg.mask)
+    data_files = list(cfg.data.train_files)
+    kind = "parquet" if data_files and data_files[0].endswith(".parquet") else "json"
+    ro, tr = cfg.rollout, cfg.trainer
+    # one generation batch = the run's prompts × group, split into its mini-batches over the ranks
+    per_device = max(1, ro.prompts_per_step * ro.group_size // tr.mini_batches // max(1, cfg.launch.nproc_per_node))
+    prompt_column = cfg.data.prompt_key.split(".")[0]
+    return f'''#!/usr/bin/env python
+{_header(cfg, "#")}# Run: pip install 'pdm_lab[trl]'; accelerate launch THIS_FILE (add vLLM with use_vllm=True).
+# The reward function is yours: replace `reward` below with your verifier.
+from datasets import load_dataset
+from trl import GRPOConfig
+
+from pdm_lab import MaskConfig
+from pdm_lab.integrations.trl import PDMGRPOTrainer
+
+PROVENANCE = {json.dumps(dataclasses.asdict(cfg.provenance) if cfg.provenance else {}, sort_keys=True, default=str)!r}
+MASK = MaskConfig(**{mask!r})
+
+
+def reward(completions, **kwargs):
+    raise NotImplementedError("plug in the run's verifier ({cfg.reward.verifier!r} in pdm_lab)")
+
+
+if __name__ == "__main__":
+    dataset = load_dataset({kind!r}, data_files={data_files!r}, split="train")
+    if {prompt_column!r} != "prompt":
+        dataset = dataset.rename_column({prompt_column!r}, "prompt")
+    args = GRPOConfig(
+        output_dir={f"runs/{cfg.name}-trl"!r},
+        learning_rate={tr.lr!r},
+        weight_decay={tr.weight_decay!r},
+        num_generations={ro.group_size!r},
+        temperature={ro.temperature!r},
+        top_p={ro.top_p!r},
+        max_completion_length={ro.max_tokens!r},
+        per_device_train_batch_size={per_device!r},
+        steps_per_generation={tr.mini_batches!r},
+        num_iterations=1,
+        max_steps={cfg.total_steps!r},
+        beta=0.0,
+        seed={cfg.seed!r},
+    )
+    trainer = PDMGRPOTrainer(model={str(cfg.model.path)!r}, reward_funcs=reward, args=args,
+                             train_dataset=dataset, mask=MASK)
+    trainer.train()
+'''
+
+
+def verl_overrides(cfg: Any) -> list[str]:
+    """Hydra overrides for ``verl.trainer.main_ppo`` (verl 0.9.1 names) for run config `cfg`."""
+    mask: MaskConfig = cfg.mask
+    record = MASK_RULES[mask.rule]
+    if record.uses_support:
+        raise ValueError(f"promote --target verl: rule {mask.rule!r} reads μ's top-K; the verl plugin carries "
+                         "sampled-token rules only (top-K needs pdm_lab.integrations.verl_topk's patches)")
+    section = {k: v for k, v in to_dict(mask).items() if k != "rule"}
+    ro, tr = cfg.rollout, cfg.trainer
+    agg = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
+           "seq-mean-token-sum": "seq-mean-token-sum", "seq-mean-token-sum-norm": "seq-mean-token-sum-norm"}
+    out = [
+        f"data.train_files={json.dumps(list(cfg.data.train_files))}",
+        f"data.prompt_key={cfg.data.prompt_key.split('.')[0]}",
+        f"data.train_batch_size={ro.prompts_per_step}",
+        f"data.max_prompt_length={cfg.data.max_prompt_tokens}",
+        f"data.max_response_length={ro.max_tokens}",
+        f"actor_rollout_ref.model.path={cfg.model.path}",
+        f"actor_rollout_ref.rollout.n={ro.group_size}",
+        f"actor_rollout_ref.rollout.temperature={ro.temperature}",
+        f"actor_rollout_ref.rollout.top_p={ro.top_p}",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        f"actor_rollout_ref.actor.optim.lr={tr.lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={max(1, ro.prompts_per_step // tr.mini_batches)}",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        f"actor_rollout_ref.actor.loss_agg_mode={agg[mask.aggregation]}",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.actor.policy_loss._target_=pdm_lab.integrations.verl.PDMPolicyLossConfig",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode=pdm_lab.{mask.rule}",
+        "+actor_rollout_ref.actor.policy_loss.mask=" + json.dumps(section, separators=(",", ":")),
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.rollout_is=null",
+        f"trainer.total_training_steps={cfg.total_steps}",
+        f"trainer.experiment_name={cfg.name}-pdm",
+    ]
+    if mask.horizon is not None:
+        out.append(f"actor_rollout_ref.actor.loss_scale_factor={mask.horizon}")
+    return out
+
+
+def verl_script(cfg: Any) -> str:
+    """A runnable bash script launching verl with pdm_lab's plugin loss for run config `cfg`."""
+    args = " \\\n    ".join(shlex.quote(o) for o in verl_overrides(cfg))
+    return f'''#!/usr/bin/env bash
+{_header(cfg, "#")}# Run: pip install 'pdm_lab[verl]' (the plugin registers through verl.plugins); then this file.
+set -euo pipefail
+python -m verl.trainer.main_ppo \\
+    {args} \\
+    "$@"
+'''
+
+
+def write_launch_file(target: str, run_config: Path, out: Path) -> Path:
+    """Write the `target` launch file for the promoted run config at `run_config` to `out`."""
+    from ..scaling.config import load_config
+
+    if target not in ("trl", "verl"):
+        raise ValueError(f"target: unknown {target!r}; valid: {', '.join(TARGETS)}")
+    cfg = load_config(run_config)
+    text = trl_script(cfg) if target == "trl" else verl_script(cfg)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    out.chmod(0o755)
+    return out

@@ -1,0 +1,197 @@
+"""``PDMGRPOTrainer``: TRL's ``GRPOTrainer`` with pdm_lab's mask and loss on μ's top-K support.
+
+    from pdm_lab import MaskConfig
+    from pdm_lab.integrations.trl import PDMGRPOTrainer
+
+    trainer = PDMGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
+                             mask=MaskConfig(rule="pdm_topk", delta=0.15, k=20))
+
+Three overrides, the fewest TRL 1.16 allows (it has no hook for a custom mask):
+
+* ``_generate_single_turn`` — keeps μ's top-K at every generated position: from HF ``generate``
+  the processed log-probs log_softmax(scores) (after temperature and the logits processors, the
+  distribution actually sampled); from vLLM ``logprobs=K`` in ``processed_logprobs`` mode, with
+  the sampled token's log-prob re-picked by id (vLLM adds it as a (K+1)-th entry when it is
+  outside the top-K).
+* ``_generate_and_score_completions`` — adds [B, T, K] ``pdm_topk_ids``/``pdm_topk_logp`` and [B, T]
+  ``pdm_mu_logp`` to TRL's batch dict; TRL shuffles and splits them with the rest.
+* ``_compute_loss`` — π on the support through ``policy_on_support`` (chunked gather: no [B·T, V]
+  float32 log-softmax), then ``pdm_policy_loss``; its metrics go to TRL's logs as ``pdm/...``.
+
+μ stays the rollout's for every reuse of a batch (``num_iterations > 1``), as the trust region
+requires. Tested with the TRL versions in ``pdm_lab.integrations.versions.TESTED``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..config import MaskConfig
+from ..loss import pdm_policy_loss
+from ..policy_side import policy_on_support
+from ..support import support_from_topk, topk_lower_id_ties
+from .versions import require_version
+
+TRL_VERSION = require_version("trl")
+
+from trl import GRPOTrainer  # noqa: E402
+
+TOPK_KEYS = ("pdm_topk_ids", "pdm_topk_logp", "pdm_mu_logp")
+
+
+def rows_from_scores(scores: list[Tensor], sampled: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """HF ``generate`` scores (T tensors [B, V], processed logits) → [B, T, K] ids, log μ, [B, T] log μ_k.
+
+    log_softmax of the processed logits is the sampled distribution (temperature, top-k/top-p
+    applied; cut tokens are −inf, a legal zero probability).
+    """
+    logp = torch.log_softmax(torch.stack(scores, dim=1).float(), dim=-1)  # [B, T, V]
+    b, t, v = logp.shape
+    ids, top = topk_lower_id_ties(logp.reshape(b * t, v), min(k, v))
+    mu_k = logp.gather(-1, sampled[..., None])[..., 0]
+    return ids.reshape(b, t, -1), top.reshape(b, t, -1), mu_k
+
+
+def rows_from_vllm(logprobs: list[list[float | None]], token_ids: list[list[int]], sampled: int,
+                   k: int) -> tuple[list[int], list[float], float]:
+    """One position of vLLM's ``logprobs=K`` answer (sorted by rank) → top-K ids, log μ, log μ_k.
+
+    The sampled token is found by id, never by position: it is one of the top-K or vLLM's extra
+    (K+1)-th entry.
+    """
+    values = [(-math.inf if lp is None else lp) for lp in logprobs]
+    if sampled not in token_ids:
+        raise ValueError(f"vLLM logprobs lack the sampled token {sampled} (ids {token_ids[:k + 1]})")
+    mu_k = values[token_ids.index(sampled)]
+    return list(token_ids[:k]), values[:k], mu_k
+
+
+def _pad_rows(rows: list[Tensor], length: int, fill) -> Tensor:
+    out = torch.full((len(rows), length, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r[:length]
+    return out
+
+
+class PDMGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose loss is pdm_lab's masked policy loss (``mask``: the ``MaskConfig``).
+
+    TRL's own ``loss_type``, ε and importance-sampling settings are not used by the loss; the KL
+    penalty (``beta``) must be 0 and multimodal/tool rollouts are not supported (clear errors).
+    """
+
+    def __init__(self, *args, mask: MaskConfig | None = None, **kwargs):
+        self.pdm_mask = mask or MaskConfig()
+        super().__init__(*args, **kwargs)
+        if self.beta != 0.0:
+            raise ValueError("PDMGRPOTrainer: set GRPOConfig(beta=0.0); the KL penalty is not part of pdm_lab's loss")
+        if self.use_vllm:
+            self.vllm_generation.logprobs = self.pdm_mask.k  # top-K processed log-probs per position
+        self._pdm_rollout: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    # --- generation: keep μ's top-K --------------------------------------------------------------
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None or multimodal_fields or has_tool_images:
+            raise NotImplementedError("PDMGRPOTrainer: multimodal rollouts are not supported")
+        k = self.pdm_mask.k
+        if self.use_vllm:
+            from trl.extras.profiling import profiling_context
+
+            if self.state.global_step != self._last_loaded_step:
+                with profiling_context(self, "sync_weights"):
+                    self.vllm_generation.sync_weights()
+                self._last_loaded_step = self.state.global_step
+            _, completion_ids, logprobs, token_ids = self.vllm_generation.generate(
+                prompts=prompt_ids, images=None, num_generations=num_generations,
+                profiler=profiling_context(self, "vLLM.generate"))
+            rollout, sampled_logps = [], []
+            for seq, lps, ids in zip(completion_ids, logprobs, token_ids, strict=True):
+                rows = [rows_from_vllm(lp, ti, tok, k) for tok, lp, ti in zip(seq, lps, ids, strict=True)]
+                top_ids = torch.tensor([r[0] + [-1] * (k - len(r[0])) for r in rows], dtype=torch.long)
+                top_lp = torch.tensor([r[1] + [-math.inf] * (k - len(r[1])) for r in rows], dtype=torch.float32)
+                mu_k = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+                rollout.append((top_ids.reshape(len(rows), k), top_lp.reshape(len(rows), k), mu_k))
+                sampled_logps.append(mu_k.tolist())
+            self._pdm_rollout = rollout
+            return completion_ids, sampled_logps
+        if self.use_transformers_continuous_batching:
+            raise NotImplementedError("PDMGRPOTrainer: continuous batching exposes no scores; use generate or vLLM")
+        return self._generate_with_scores(prompt_ids, k)
+
+    def _generate_with_scores(self, prompt_ids, k: int):
+        from trl.models import unwrap_model_for_generation
+        from trl.trainer.utils import pad
+
+        device = self.accelerator.device
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
+        inputs = {"input_ids": pad(prompts, padding_value=self._tokenizer.pad_token_id, padding_side="left"),
+                  "attention_mask": pad([torch.ones_like(t) for t in prompts], padding_value=0, padding_side="left")}
+        inputs = super(GRPOTrainer, self)._prepare_inputs(inputs)
+        # the same contexts as TRL's own generate path (DeepSpeed/FSDP gathering, generation kwargs)
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                                         generation_kwargs=self.generation_kwargs,
+                                         gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+                                         ) as unwrapped, torch.no_grad(), \
+                self._dist.summon_full_params(self.model_wrapped, recurse=False):
+            out = unwrapped.generate(**inputs, generation_config=self.generation_config,
+                                     output_scores=True, return_dict_in_generate=True)
+        completion = out.sequences[:, inputs["input_ids"].size(1):]
+        top_ids, top_lp, mu_k = rows_from_scores(list(out.scores), completion, k)
+        is_eos = torch.isin(completion, torch.tensor(self.eos_token_ids, device=device))
+        length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], completion.size(1),
+                                                                                        dtype=torch.long))
+        completion_ids, rollout = [], []
+        for i, n in enumerate(length.tolist()):
+            completion_ids.append(completion[i, :n].tolist())
+            rollout.append((top_ids[i, :n].cpu(), top_lp[i, :n].cpu(), mu_k[i, :n].cpu()))
+        self._pdm_rollout = rollout
+        return completion_ids, None
+
+    # --- the batch: carry the top-K with TRL's keys ---------------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        rollout = self._pdm_rollout
+        length = output["completion_ids"].size(1)
+        if len(rollout) != output["completion_ids"].size(0):
+            raise RuntimeError(f"PDMGRPOTrainer: {len(rollout)} rollouts kept for a batch of "
+                               f"{output['completion_ids'].size(0)} completions")
+        device = output["completion_ids"].device
+        output["pdm_topk_ids"] = _pad_rows([r[0] for r in rollout], length, -1).to(device)
+        output["pdm_topk_logp"] = _pad_rows([r[1] for r in rollout], length, -math.inf).to(device)
+        output["pdm_mu_logp"] = _pad_rows([r[2] for r in rollout], length, 0.0).to(device)
+        self._pdm_rollout = []
+        return output
+
+    # --- the loss: pdm_lab's ---------------------------------------------------------------------
+    def pdm_loss_output(self, model, inputs):
+        """``LossOutput`` of ``pdm_policy_loss`` on this batch (also used by the tests)."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            raise NotImplementedError("PDMGRPOTrainer: tool rollouts are not supported")
+        b, t = completion_ids.shape
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=t + 1).logits[:, :-1]
+        resp = completion_mask.bool()
+        flat = resp.reshape(-1)
+        support = support_from_topk(
+            inputs["pdm_topk_ids"].reshape(b * t, -1), inputs["pdm_topk_logp"].reshape(b * t, -1),
+            completion_ids.reshape(-1), inputs["pdm_mu_logp"].reshape(-1), vocab_size=logits.size(-1),
+            k=self.pdm_mask.k, convention=self.pdm_mask.convention, row_mask=flat)
+        pi = policy_on_support(logits.reshape(b * t, -1), support.ids, temperature=self.temperature)
+        advantages = inputs["advantages"]
+        advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand(b, t).float()
+        return pdm_policy_loss(pi, support, advantages, resp, self.pdm_mask)
+
+    def _compute_loss(self, model, inputs):
+        out = self.pdm_loss_output(model, inputs)
+        self.pdm_last_output = out  # the last micro-batch's keep mask and stats, for inspection
+        mode = "train" if self.model.training else "eval"
+        for key, value in out.metrics.items():
+            self._metrics[mode][f"pdm/{key}"].append(float(value))
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        return out.loss / normalizer

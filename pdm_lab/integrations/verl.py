@@ -1,0 +1,137 @@
+"""pdm_lab as a verl plugin: every sampled-token rule as a verl policy loss (bypass mode).
+
+Installed with pdm_lab, the ``verl.plugins`` entry point ``pdm_lab`` makes ``import verl`` (in
+every worker) import this module, which registers ``pdm_lab.<rule>`` for each rule that decides
+from the sampled token's log-probs (``sampled_token_rules()``) through verl's public
+``register_policy_loss``. Select one and give its mask section through the config class::
+
+    actor_rollout_ref.actor.policy_loss._target_=pdm_lab.integrations.verl.PDMPolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=pdm_lab.dppo_binary_kl
+    +actor_rollout_ref.actor.policy_loss.mask={delta:0.15}
+    algorithm.rollout_correction.bypass_mode=true        # old_log_prob = μ (the rollout's)
+
+verl 0.9.1's ``apply_bypass_mode`` overwrites ``loss_mode`` with its own ``bypass_mode`` loss;
+``patch_bypass_mode()`` (applied on import, version-checked) keeps a ``pdm_lab.*`` loss_mode
+while still substituting the rollout log-probs. Top-K rules need the top-K data path
+(``pdm_lab.integrations.verl_topk``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from ..config import MaskConfig, from_dict
+from ..loss import token_surrogate
+from ..masks import compute_mask
+from ..metrics import step_metrics
+from ..stats import token_stats
+from .sampled_token import sampled_token_rules, sampled_token_view
+from .versions import require_version
+
+VERL_VERSION = require_version("verl")
+
+from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss  # noqa: E402
+from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
+
+LOSS_PREFIX = "pdm_lab."
+
+
+@dataclasses.dataclass
+class PDMPolicyLossConfig(PolicyLossConfig):
+    """verl's policy-loss section plus pdm_lab's mask section (``MaskConfig`` fields, minus rule).
+
+    ``mask`` is checked like every pdm_lab config: an unknown key is an error naming the nearest.
+    The rule comes from ``loss_mode`` (``pdm_lab.<rule>``).
+    """
+
+    mask: dict = dataclasses.field(default_factory=dict)
+
+
+def mask_config(config: Any, rule: str) -> MaskConfig:
+    """The ``MaskConfig`` of `rule` from a verl actor config's ``policy_loss.mask`` section."""
+    section = {}
+    policy_loss = getattr(config, "policy_loss", None)
+    if policy_loss is not None:
+        raw = policy_loss.get("mask", None) if hasattr(policy_loss, "get") else getattr(policy_loss, "mask", None)
+        section = dict(raw or {})
+    if "rule" in section and section["rule"] != rule:
+        raise ValueError(f"policy_loss.mask.rule={section['rule']!r} contradicts loss_mode {LOSS_PREFIX}{rule}")
+    section["rule"] = rule
+    return from_dict(MaskConfig, section, where="policy_loss.mask")
+
+
+def _global_batch_info(config: Any) -> dict:
+    info = getattr(config, "global_batch_info", None)
+    return dict(info) if info else {}
+
+
+def pdm_verl_loss(rule: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                  response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                  rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's ``PolicyLossFn`` for `rule`: [B, T] log μ_k (bypass mode: the rollout's), log π_k.
+
+    Per token: pdm_lab's surrogate −M·min(r, c)·Â (``token_surrogate``); aggregated by verl's
+    ``agg_loss`` so data-parallel normalisation stays verl's. On one rank with token-mean this is
+    ``pdm_policy_loss`` exactly (tests/frameworks/verl).
+    """
+    if rollout_is_weights is not None:
+        raise ValueError(f"{LOSS_PREFIX}{rule}: rollout_is_weights given; pdm_lab's rules replace IS "
+                         "weighting (set algorithm.rollout_correction.rollout_is=null)")
+    cfg = mask_config(config, rule)
+    resp = response_mask.bool()
+    shape = log_prob.shape
+    mu_k = old_log_prob.reshape(-1).to(log_prob.dtype)
+    pi_k = log_prob.reshape(-1)
+    support, pi = sampled_token_view(mu_k, pi_k)
+    stats = token_stats(support, pi)
+    adv = torch.where(resp.reshape(-1), advantages.reshape(-1).to(pi_k.dtype), torch.zeros_like(pi_k))
+    keep = compute_mask(cfg, stats, adv, resp)
+    per_token = token_surrogate(pi_k, mu_k, adv, keep, cfg.clip_ratio_c).reshape(shape)
+    loss = agg_loss(loss_mat=per_token, loss_mask=resp, loss_agg_mode=loss_agg_mode, **_global_batch_info(config))
+    metrics = step_metrics(stats, keep, adv, resp.reshape(-1), cfg)
+    # one-slot support: the top-K and Ḋ metrics would describe S = {k}, so only these are reported
+    shown = {k: v for k, v in metrics.items() if k.startswith(("mask/frac_dropped", "ratio/", "tokens/"))}
+    shown["div/binary_kl_mean"] = (stats.binary_kl * resp.reshape(-1)).sum() / resp.sum().clamp(min=1)
+    return loss, {f"actor/pdm/{k}": float(v) for k, v in shown.items()}
+
+
+def register_all() -> tuple[str, ...]:
+    """Register ``pdm_lab.<rule>`` for every sampled-token rule; returns the loss_mode names."""
+    names = []
+    for rule in sampled_token_rules():
+        name = f"{LOSS_PREFIX}{rule}"
+        register_policy_loss(name)(functools.partial(pdm_verl_loss, rule))
+        names.append(name)
+    return tuple(names)
+
+
+def patch_bypass_mode() -> bool:
+    """Keep a ``pdm_lab.*`` loss_mode through verl 0.9.1's ``apply_bypass_mode`` (which sets
+    old_log_probs = rollout_log_probs, then forces its own loss). Idempotent; returns True if
+    applied now."""
+    from verl.trainer.ppo import rollout_corr_helper
+
+    original = rollout_corr_helper.apply_bypass_mode
+    if getattr(original, "_pdm_lab", False):
+        return False
+
+    @functools.wraps(original)
+    def apply_bypass_mode(batch, rollout_corr_config=None, policy_loss_config=None):
+        mode = policy_loss_config.get("loss_mode", None) if policy_loss_config is not None else None
+        original(batch, rollout_corr_config=rollout_corr_config, policy_loss_config=policy_loss_config)
+        if isinstance(mode, str) and mode.startswith(LOSS_PREFIX):
+            from omegaconf import open_dict
+
+            with open_dict(policy_loss_config):
+                policy_loss_config["loss_mode"] = mode
+
+    apply_bypass_mode._pdm_lab = True
+    rollout_corr_helper.apply_bypass_mode = apply_bypass_mode
+    return True
+
+
+LOSS_MODES = register_all()
+patch_bypass_mode()

@@ -1,0 +1,251 @@
+"""Conformance kit: check *your* mask or divergence code against a high-precision oracle.
+
+For a user's own test suite (needs ``hypothesis`` and ``mpmath``: ``pip install 'pdm_lab[test]'``)::
+
+    from pdm_lab.testing import check_divergence, check_mask
+
+    def my_topk_kl(mu_logp, pi_logp, sampled, k, convention):   # [N, n] float64 → [N]
+        ...
+
+    def test_my_topk_kl():
+        check_divergence(my_topk_kl, "topk_kl")          # raises with the smallest failing case
+
+    def test_my_mask():
+        check_mask(my_mask, "dppo_topk_kl", delta=0.15)   # my_mask(mu, pi, k_ids, adv, k, delta, conv) → [N] keep
+
+The cases (``llm_cases``) crowd the edges where implementations go wrong: peaked and flat
+rows, ties at the top-K boundary, near-certain tokens (1 − 1e-17), tails down to 1e-300 (on one
+side only, where 1 − Σ head loses every digit), the sampled token inside and outside the top-K,
+both support conventions (SPEC §2). The oracle recomputes SPEC §2–4 in ``mpmath`` at 60 digits
+from the same float64 inputs, with the support chosen by SPEC's tie rule; a mask check skips
+only tokens that sit on a decision boundary within rounding (D ≈ δ, Ḋ ≈ 0, r ≈ 1).
+tests/test_testing_kit.py shows it catching a 1 − Σ tail implementation and passing pdm_lab's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+try:
+    import mpmath
+    from hypothesis import HealthCheck, given, settings, strategies as st
+except ImportError as err:  # the core installs without them
+    raise ImportError(f"pdm_lab.testing needs hypothesis and mpmath: pip install 'pdm_lab[test]' ({err})") from None
+
+#: Regimes of ``llm_cases`` (each a way real logits break naive code).
+REGIMES = ("peaked", "flat", "ties", "near_certain", "deep_tail")
+#: Divergences ``check_divergence`` knows, and the rules ``check_mask`` knows.
+ORACLE_DIVERGENCES = ("topk_kl", "topk_tv", "binary_kl", "binary_tv")
+ORACLE_MASKS = ("dppo_topk_kl", "dppo_topk_tv", "dppo_binary_kl", "dppo_binary_tv", "pdm_exact", "pdm_topk")
+_DPS = 60
+
+
+@dataclass(frozen=True)
+class Case:
+    """One batch: [N, n] float64 full log-probabilities, [N] sampled ids and Â, K, convention."""
+
+    mu_logp: Tensor
+    pi_logp: Tensor
+    sampled: Tensor
+    advantages: Tensor
+    k: int
+    convention: str
+    regime: str
+
+    def __repr__(self) -> str:  # what hypothesis prints for a failing case
+        return (f"Case(regime={self.regime!r}, k={self.k}, convention={self.convention!r}, "
+                f"sampled={self.sampled.tolist()}, advantages={self.advantages.tolist()},\n"
+                f"  mu_logp={self.mu_logp.tolist()},\n  pi_logp={self.pi_logp.tolist()})")
+
+
+def _logits(regime: str, rows: int, n: int, gen: torch.Generator, k: int) -> Tensor:
+    z = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    if regime == "peaked":
+        z = 2.0 * z
+        z[torch.arange(rows), torch.randint(n, (rows,), generator=gen)] += 9.0
+    elif regime == "flat":
+        z = 0.05 * z
+    elif regime == "ties":
+        z = torch.round(z)  # few distinct values: ties everywhere, also at the K-th place
+        if 0 < k < n:
+            order = torch.argsort(-z, dim=1, stable=True)
+            z[torch.arange(rows), order[:, k]] = z[torch.arange(rows), order[:, k - 1]]
+    elif regime == "near_certain":
+        z[torch.arange(rows), torch.randint(n, (rows,), generator=gen)] += 40.0  # p ≈ 1 − 1e-17
+    elif regime == "deep_tail":
+        keep = max(1, min(k, n))  # the head holds everything; the rest at 1e-260 … 1e-300
+        order = torch.argsort(-z, dim=1, stable=True)
+        deep = -600.0 - 90.0 * torch.rand(rows, n, generator=gen, dtype=torch.float64)
+        tail = torch.zeros_like(z, dtype=torch.bool).scatter_(1, order[:, keep:], True)
+        z = torch.where(tail, deep, z)
+    return z
+
+
+@st.composite
+def llm_cases(draw, *, max_vocab: int = 48, max_rows: int = 6, regimes: tuple[str, ...] = REGIMES,
+              conventions: tuple[str, ...] = ("union", "kslot")) -> Case:
+    """Hypothesis strategy of LLM-like cases (module docstring). μ and π each draw a regime, so a
+    deep tail or a near-certain token can sit on one side only, as in a real mismatch."""
+    n = draw(st.integers(2, max_vocab))
+    rows = draw(st.integers(1, max_rows))
+    k = draw(st.integers(1, n))
+    seed = draw(st.integers(0, 2**31 - 1))
+    mu_regime, pi_regime = draw(st.sampled_from(regimes)), draw(st.sampled_from(regimes))
+    noise = draw(st.sampled_from((0.0, 0.01, 0.3, 1.0)))
+    gen = torch.Generator().manual_seed(seed)
+    z_mu = _logits(mu_regime, rows, n, gen, k)
+    z_pi = _logits(pi_regime, rows, n, gen, k) if pi_regime != mu_regime else z_mu + noise * torch.randn(
+        rows, n, generator=gen, dtype=torch.float64)
+    mu, pi = torch.log_softmax(z_mu, -1), torch.log_softmax(z_pi, -1)
+    probs = torch.exp(mu)
+    sampled = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    if draw(st.booleans()) and k < n:  # force k outside μ's top-K (a positive-probability token)
+        order = torch.argsort(-mu, dim=1, stable=True)
+        sampled = order[:, -1]
+    advantages = torch.tensor(draw(st.lists(st.sampled_from((-1.0, 0.0, 1.0)), min_size=rows, max_size=rows)),
+                              dtype=torch.float64)
+    convention = draw(st.sampled_from(conventions))
+    return Case(mu, pi, sampled, advantages, k, convention, f"{mu_regime}/{pi_regime}")
+
+
+# --- the oracle ---------------------------------------------------------------------------------
+
+def oracle_support(mu_row: list[float], sampled: int, k: int, convention: str) -> list[int]:
+    """SPEC §2: μ's K most probable ids (ties: lower id first), plus or in place of k."""
+    order = sorted(range(len(mu_row)), key=lambda i: (-mu_row[i], i))
+    top = order[:k]
+    if sampled in top:
+        return top
+    return top + [sampled] if convention == "union" else top[:-1] + [sampled]
+
+
+def _kl_term(p, q):
+    return mpmath.mpf(0) if p == 0 else p * mpmath.log(p / q)
+
+
+def oracle_row(mu_row: list[float], pi_row: list[float], sampled: int, k: int, convention: str) -> dict:
+    """Every SPEC §2–3 quantity of one token, in mpmath at 60 digits (mpf values)."""
+    with mpmath.workdps(_DPS):
+        mu = [mpmath.exp(mpmath.mpf(x)) for x in mu_row]
+        pi = [mpmath.exp(mpmath.mpf(x)) for x in pi_row]
+        # the float64 inputs are normalised only to rounding: renormalise exactly
+        zmu, zpi = mpmath.fsum(mu), mpmath.fsum(pi)
+        mu, pi = [x / zmu for x in mu], [x / zpi for x in pi]
+        support = oracle_support(mu_row, sampled, k, convention)
+        inside = set(support)
+        tail = [i for i in range(len(mu)) if i not in inside]
+        mu_t, pi_t = mpmath.fsum(mu[i] for i in tail), mpmath.fsum(pi[i] for i in tail)
+        mk, pk = mu[sampled], pi[sampled]
+        topk_kl = mpmath.fsum(_kl_term(mu[i], pi[i]) for i in support) + _kl_term(mu_t, pi_t)
+        topk_tv = (mpmath.fsum(abs(mu[i] - pi[i]) for i in support) + abs(mu_t - pi_t)) / 2
+        # 1 − p_k as the sum of the others: 1 − (1 − 1e-270) is 0 even at 60 digits
+        rest_mu = mpmath.fsum(mu[i] for i in range(len(mu)) if i != sampled)
+        rest_pi = mpmath.fsum(pi[i] for i in range(len(pi)) if i != sampled)
+        binary_kl = _kl_term(mk, pk) + _kl_term(rest_mu, rest_pi)
+        head = (pk - mk) + mpmath.fsum(pi[i] * (mu[i] - pi[i]) for i in support)
+        sumsq = mpmath.fsum(pi[i] ** 2 for i in tail)
+        ddot_topk = head + ((mu_t / pi_t - 1) * sumsq if pi_t > 0 else 0)
+        ddot_exact = (pk - mk) + mpmath.fsum(pi[i] * (mu[i] - pi[i]) for i in range(len(mu)))
+        return {"topk_kl": topk_kl, "topk_tv": topk_tv, "binary_kl": binary_kl, "binary_tv": abs(pk - mk),
+                "log_ratio": mpmath.log(pk) - mpmath.log(mk), "ddot_topk": ddot_topk, "ddot_exact": ddot_exact}
+
+
+def oracle(case: Case) -> list[dict]:
+    """``oracle_row`` for every token of `case`."""
+    mu, pi = case.mu_logp.tolist(), case.pi_logp.tolist()
+    return [oracle_row(mu[i], pi[i], int(case.sampled[i]), case.k, case.convention) for i in range(len(mu))]
+
+
+def oracle_keep(row: dict, advantage: float, rule: str, delta: float, tol: float) -> bool | None:
+    """SPEC §4 decision of `rule` for one token (True: keep); None when it is on a boundary
+    within `tol` (a correct float implementation may go either way there)."""
+    divergence = {"dppo_topk_kl": "topk_kl", "dppo_topk_tv": "topk_tv", "dppo_binary_kl": "binary_kl",
+                  "dppo_binary_tv": "binary_tv", "pdm_exact": "topk_kl", "pdm_topk": "topk_kl"}[rule]
+    d = row[divergence]
+    direction = row["log_ratio"] if rule.startswith("dppo") else row[f"ddot_{rule.removeprefix('pdm_')}"]
+    if advantage == 0:
+        return True
+    if abs(d - delta) <= tol * max(1.0, delta) or abs(direction) <= tol:
+        return None
+    return not (d > delta and advantage * direction > 0)
+
+
+# --- the checks ---------------------------------------------------------------------------------
+
+def _run(check: Callable[[Case], None], cases, max_examples: int, derandomize: bool) -> None:
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=derandomize,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @given(cases)
+    def run(case):
+        check(case)
+    run()
+
+
+def check_divergence(fn: Callable[..., Tensor], divergence: str = "topk_kl", *, rtol: float = 1e-6,
+                     atol: float = 1e-12, max_examples: int = 100, cases=None, derandomize: bool = True) -> None:
+    """Assert ``fn(mu_logp, pi_logp, sampled, k, convention) -> [N]`` matches the oracle's
+    `divergence` (|got − true| ≤ atol + rtol·true) on ``llm_cases``; raises ``AssertionError``
+    naming the token, both values and the (shrunk) case. ``derandomize``: the same cases every
+    run (reproducible CI); False explores new ones each run."""
+    if divergence not in ORACLE_DIVERGENCES:
+        raise ValueError(f"divergence: unknown {divergence!r}; valid: {', '.join(ORACLE_DIVERGENCES)}")
+
+    def check(case: Case) -> None:
+        got = fn(case.mu_logp, case.pi_logp, case.sampled, case.k, case.convention)
+        rows = oracle(case)
+        for i, row in enumerate(rows):
+            value, true = float(got[i]), row[divergence]
+            if not (abs(value - true) <= atol + rtol * abs(true)):  # NaN fails too
+                raise AssertionError(f"{divergence} of token {i}: got {value!r}, true {mpmath.nstr(true, 17)} "
+                                     f"(regime {case.regime}, K={case.k}, {case.convention})")
+    _run(check, cases if cases is not None else llm_cases(), max_examples, derandomize)
+
+
+def check_mask(fn: Callable[..., Tensor], rule: str = "dppo_topk_kl", *, delta: float = 0.15,
+               tol: float = 1e-9, max_examples: int = 100, cases=None, derandomize: bool = True) -> None:
+    """Assert ``fn(mu_logp, pi_logp, sampled, advantages, k, delta, convention) -> [N]`` keep
+    (1 keep, 0 drop) equals SPEC §4's `rule` from the oracle on every token not on a boundary."""
+    if rule not in ORACLE_MASKS:
+        raise ValueError(f"rule: unknown {rule!r}; valid: {', '.join(ORACLE_MASKS)}")
+
+    def check(case: Case) -> None:
+        got = fn(case.mu_logp, case.pi_logp, case.sampled, case.advantages, case.k, delta, case.convention)
+        for i, row in enumerate(oracle(case)):
+            want = oracle_keep(row, float(case.advantages[i]), rule, delta, tol)
+            if want is not None and bool(got[i] > 0.5) != want:
+                raise AssertionError(f"{rule} token {i}: got {'keep' if got[i] > 0.5 else 'drop'}, true "
+                                     f"{'keep' if want else 'drop'} (D={mpmath.nstr(row['topk_kl'], 10)}, "
+                                     f"regime {case.regime}, K={case.k}, {case.convention})")
+    _run(check, cases if cases is not None else llm_cases(), max_examples, derandomize)
+
+
+# --- pdm_lab's own functions in the kit's signatures (what its tests check) ------------------
+
+def pdm_lab_divergence(divergence: str) -> Callable[..., Tensor]:
+    """pdm_lab's `divergence` as ``fn(mu_logp, pi_logp, sampled, k, convention)``."""
+    from .policy_side import policy_on_support
+    from .stats import token_stats
+    from .support import support_from_full
+
+    def fn(mu_logp, pi_logp, sampled, k, convention):
+        support = support_from_full(mu_logp, sampled, k=k, convention=convention)
+        return getattr(token_stats(support, policy_on_support(pi_logp, support.ids)), divergence)
+    return fn
+
+
+def pdm_lab_mask(rule: str) -> Callable[..., Tensor]:
+    """pdm_lab's `rule` as ``fn(mu_logp, pi_logp, sampled, advantages, k, delta, convention)``."""
+    from .config import MaskConfig
+    from .masks import compute_mask
+    from .policy_side import policy_on_support
+    from .stats import token_stats
+    from .support import support_from_full
+
+    def fn(mu_logp, pi_logp, sampled, advantages, k, delta, convention):
+        support = support_from_full(mu_logp, sampled, k=k, convention=convention)
+        stats = token_stats(support, policy_on_support(pi_logp, support.ids), mu_full=mu_logp, pi_full=pi_logp)
+        return compute_mask(MaskConfig(rule=rule, k=k, delta=delta, convention=convention), stats, advantages)
+    return fn

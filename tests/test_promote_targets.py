@@ -1,0 +1,65 @@
+"""``pdm-lab promote --target trl|verl``: the launch file carries the winning cell's mask, the run's
+settings and the provenance; it parses as Python / bash; top-K rules are refused for verl."""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdm_lab.cli import main
+from pdm_lab.config import MaskConfig
+from pdm_lab.integrations.launch_files import verl_overrides
+from pdm_lab.scaling.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = REPO / "scaling" / "configs" / "qwen3-4b-base-dapo.yaml"
+
+
+def _sweep(tmp_path, rule, extra=None):
+    rows = [{"cell_id": "c_win", "rule": rule, "delta": 0.1, "k": 20, "convention": "union", "seed": s,
+             "final_reward": 0.8, "collapsed": False, "unsafe_keep": 0.2, **(extra or {})} for s in range(2)]
+    rows += [{"cell_id": "c_lose", "rule": "none", "seed": s, "final_reward": 0.1, "collapsed": False}
+             for s in range(2)]
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "results.json").write_text(json.dumps(rows))
+    return sweep
+
+
+def test_trl_target_writes_a_script_with_the_cells_mask(tmp_path, capsys):
+    sweep = _sweep(tmp_path, "pdm_topk")
+    out = tmp_path / "launch_trl.py"
+    assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out), "--target", "trl"]) == 0
+    text = out.read_text()
+    tree = ast.parse(text)  # valid Python
+    mask_call = next(n for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.targets[0].id == "MASK")
+    fields = ast.literal_eval(mask_call.value.keywords[0].value)
+    assert MaskConfig(**fields) == MaskConfig(rule="pdm_topk", delta=0.1, k=20, convention="union")
+    assert "cell c_win" in text and "PDMGRPOTrainer" in text and "learning_rate=1e-06" in text
+    run_cfg = load_config(Path(str(out) + ".pdm.yaml"))  # the pdm config beside it, same provenance
+    assert run_cfg.provenance.cell_id == "c_win" and run_cfg.mask.rule == "pdm_topk"
+
+
+def test_verl_target_writes_a_bash_script_with_the_plugin_loss(tmp_path):
+    sweep = _sweep(tmp_path, "dppo_binary_kl")
+    out = tmp_path / "launch_verl.sh"
+    assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out), "--target", "verl"]) == 0
+    text = out.read_text()
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0  # valid bash
+    assert "loss_mode=pdm_lab.dppo_binary_kl" in text and "bypass_mode=true" in text
+    assert "actor_rollout_ref.model.path=models/Qwen3-4B-Base" in text and "cell c_win" in text
+    mask_arg = next(a for a in verl_overrides(load_config(Path(str(out) + ".pdm.yaml")))
+                    if a.startswith("+actor_rollout_ref.actor.policy_loss.mask="))
+    section = json.loads(mask_arg.split("=", 1)[1])
+    assert MaskConfig(rule="dppo_binary_kl", **section) == MaskConfig(rule="dppo_binary_kl", delta=0.1)
+
+
+def test_verl_target_refuses_top_k_rules(tmp_path, capsys):
+    sweep = _sweep(tmp_path, "pdm_uniform")
+    out = tmp_path / "launch_verl.sh"
+    assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out), "--target", "verl"]) != 0
+    assert "top-K" in capsys.readouterr().err and not out.exists()
