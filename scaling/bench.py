@@ -181,6 +181,7 @@ def _trl_child(model_dir: str, data_file: str, mode: str, steps: int, out: str) 
     """TRL's ``GRPOTrainer`` on the same model, prompts and batch (run in its own process)."""
     import time as _time
 
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -213,10 +214,11 @@ def _trl_child(model_dir: str, data_file: str, mode: str, steps: int, out: str) 
     Path(out).write_text(json.dumps({"step": statistics.median(times[1:]) * 1e3}))
 
 
-def _trl(model_dir: Path, data_file: Path, mode: str, steps: int, workdir: Path) -> dict:
+def _trl(model_dir: Path, data_file: Path, mode: str, steps: int, workdir: Path, threads: int) -> dict:
     out = workdir / f"trl_{mode}.json"
+    # the same intra-op threads as our loop: compare the systems, not their thread defaults
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, "-m", "pdm_lab.scaling.bench", "--trl-child", str(model_dir), str(data_file),
            mode, str(steps), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=env)
@@ -237,13 +239,16 @@ def run_loop_bench(args) -> list[dict]:
 
     from .assets import data_files, model_dir
     from .config import load_config
+    from .distributed import threads_per_rank
 
     config = Path(getattr(args, "scaling_config", None) or CONFIG)
     steps = int(getattr(args, "loop_steps", None) or 12)
     rounds = int(getattr(args, "loop_rounds", None) or 2)
     rank_counts = list(getattr(args, "loop_ranks", None) or [0])
     cfg = load_config(config, LOOP_WORKLOAD)
-    path, (train_file, _) = model_dir(cfg), (data_files(cfg)[0][0], None)
+    path, train_file = model_dir(cfg), data_files(cfg)[0][0]
+    threads = threads_per_rank(cfg.launch.threads_per_rank, cfg.model.tiny.hidden_size if cfg.model.tiny
+                               else 4096, 1)
     has_trl = importlib.util.find_spec("trl") is not None
     runs: dict[str, list[dict]] = {}
     loads = []
@@ -254,7 +259,8 @@ def run_loop_bench(args) -> list[dict]:
                 runs.setdefault(f"ours_{ranks}", []).append(_ours(config, steps, ranks, Path(tmp)))
             if has_trl:
                 for mode in ("hf", "vllm"):
-                    runs.setdefault(f"trl_{mode}", []).append(_trl(path, train_file, mode, steps, Path(tmp)))
+                    runs.setdefault(f"trl_{mode}", []).append(_trl(path, train_file, mode, steps, Path(tmp),
+                                                                   threads))
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
     load = f"load avg {statistics.median(loads):.1f}"
     rows = []
@@ -268,7 +274,8 @@ def run_loop_bench(args) -> list[dict]:
                          "ratio": ours[phase] / ours["step"], "target": f"share of the step; {load}"})
         for mode, target in (("vllm", "≤ 1.0"), ("hf", "as close to 1 as the engine allows")):
             ref = med.get(f"trl_{mode}")
-            rows.append({"name": f"loop [{label}]: step vs TRL GRPOTrainer ({'vLLM colocate' if mode == 'vllm' else 'HF generate'})",
+            rows.append({"name": f"loop [{label}]: step vs TRL GRPOTrainer ({'vLLM colocate' if mode == 'vllm' else 'HF generate'}, "
+                                 f"{threads} thread{'s' if threads > 1 else ''})",
                          "value": ours["step"], "unit": "ms",
                          "reference": ref["step"] if ref else float("nan"),
                          "ratio": ours["step"] / ref["step"] if ref else float("nan"),

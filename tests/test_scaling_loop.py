@@ -55,6 +55,7 @@ COMMON = [
     "trainer.lr=0.001", "eval.every=2", "eval.k=2", "eval.max_prompts=8", "checkpoint.every=2",
     "log.sync_check_every=1", "log.print_every=1", "mask.rule=counting_pdm_topk",
     "reward.verifier=pdm_lab_plugin_plugin:flaky", "data.synthetic.n_train=400",
+    "launch.nproc_per_node=2",  # the default is one rank on a CPU host; two exercise FSDP2 + DP engines
 ]
 VOLATILE = ("time/", "mem/")
 
