@@ -1,8 +1,8 @@
 """``pdm-lab bench`` rows of the scaling stage: the real tiny loop's step split and memory.
 
 * time per RL step split into generate / train / sync (median over the steps after the first,
-  from a real run of ``tiny-cpu.yaml`` with 2 ranks), each as a share of the step time measured in
-  the same run;
+  from a real run of ``tiny-cpu.yaml`` with its default ranks), each as a share of the step time
+  measured in the same run;
 * the mask's share of the step: the time in ``pdm_policy_loss`` (support statistics, Ḋ, mask,
   surrogate) plus the metrics, against the step; target < 2%;
 * memory of the train-side gather at the loop's vocabulary and a step's worth of tokens: the
@@ -13,6 +13,10 @@
 Optional attributes on ``args`` (the core's parser need not define them): ``scaling_config``
 (default tiny-cpu.yaml), ``scaling_steps`` (default 8), ``scaling_tokens`` (default: a step's
 response tokens per rank from the run).
+
+``run_loop_bench`` (``pdm-lab bench --suite loop``): issue 12's workload run by our loop and, where
+TRL is installed, by TRL's ``GRPOTrainer`` (HF generate and vLLM colocate) on the same model,
+prompts and batch, alternated; our step's phase split and the step-time ratios to TRL.
 """
 from __future__ import annotations
 

@@ -100,17 +100,24 @@ def threads_per_rank(requested: int, hidden_size: int, ranks_here: int) -> int:
     return max(1, min(cores // max(1, ranks_here), hidden_size // 256))
 
 
+def _many() -> bool:
+    """More than one rank (a world of one needs no collective)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def all_reduce_sum(values: list[float]) -> list[float]:
+    if not _many():
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t)
+    dist.all_reduce(t)
     return t.tolist()
 
 
 def all_reduce_max(values: list[float]) -> list[float]:
+    if not _many():
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
