@@ -175,7 +175,8 @@ def _ours(config: Path, steps: int, ranks: int, workdir: Path) -> dict:
         raise RuntimeError(f"loop bench run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r["step"] > 1]
-    out = {"step": statistics.median(r["time/step_s"] for r in recs) * 1e3}
+    out = {"step": statistics.median(r["time/step_s"] for r in recs) * 1e3,
+           "step_cpu": statistics.median(r["time/step_cpu_s"] for r in recs) * 1e3}
     for phase in PHASES:
         out[phase] = statistics.median(r[f"time/{phase}_s"] for r in recs) * 1e3
     return out
@@ -198,13 +199,15 @@ def _trl_child(model_dir: str, data_file: str, mode: str, steps: int, out: str) 
         return [float(c[0]["content"].strip() == a.strip()) for c, a in zip(completions, answer)]
 
     times: list[float] = []
+    cpu: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            self.t0 = _time.perf_counter()
+            self.t0, self.c0 = _time.perf_counter(), _time.process_time()
 
         def on_step_end(self, *a, **k):
             times.append(_time.perf_counter() - self.t0)
+            cpu.append(_time.process_time() - self.c0)
 
     args = GRPOConfig(output_dir=str(Path(out).parent / f"trl_{mode}"), per_device_train_batch_size=64,
                       num_generations=8, max_completion_length=8, max_steps=steps, learning_rate=3e-4,
@@ -215,7 +218,8 @@ def _trl_child(model_dir: str, data_file: str, mode: str, steps: int, out: str) 
     trainer = GRPOTrainer(model=model_dir, reward_funcs=exact, args=args, train_dataset=data,
                           callbacks=[Timer()])
     trainer.train()
-    Path(out).write_text(json.dumps({"step": statistics.median(times[1:]) * 1e3}))
+    Path(out).write_text(json.dumps({"step": statistics.median(times[1:]) * 1e3,
+                                     "step_cpu": statistics.median(cpu[1:]) * 1e3}))
 
 
 def _trl(model_dir: Path, data_file: Path, mode: str, steps: int, workdir: Path, threads: int) -> dict:
@@ -284,6 +288,10 @@ def run_loop_bench(args) -> list[dict]:
                          "reference": ref["step"] if ref else float("nan"),
                          "ratio": ours["step"] / ref["step"] if ref else float("nan"),
                          "target": f"{target}; {load}" if ref else "TRL not installed ([trl] extra)"})
+            if ref and ranks <= 1:  # one process each: CPU seconds per step compare across load
+                rows.append({"name": f"loop [{label}]: CPU time per step vs TRL ({'vLLM colocate' if mode == 'vllm' else 'HF generate'})",
+                             "value": ours["step_cpu"], "unit": "ms", "reference": ref["step_cpu"],
+                             "ratio": ours["step_cpu"] / ref["step_cpu"], "target": f"{target}; {load}"})
     return rows
 
 

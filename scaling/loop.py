@@ -181,7 +181,7 @@ def run_training(cfg: TrainConfig) -> Path:
     prompts_per_dp = cfg.rollout.prompts_per_step // lay.dp
     G = cfg.rollout.group_size
     for step in range(start + 1, cfg.total_steps + 1):
-        t_step = time.perf_counter()
+        t_step, cpu_step = time.perf_counter(), time.process_time()
         times: dict[str, float] = {}
 
         # 1. prompts: every rank draws the same global batch and takes its group's slice
@@ -256,6 +256,8 @@ def run_training(cfg: TrainConfig) -> Path:
                                     dp_size=lay.dp, count_here=lay.tp_rank == 0, stop_token_ids=stops))
             times["eval"] = time.perf_counter() - t0
         times["step"] = time.perf_counter() - t_step
+        # CPU seconds of this process (all its threads): on a shared machine, less load-dependent
+        times["step_cpu"] = time.process_time() - cpu_step
 
         # 9. log (times: the slowest rank), before the checkpoint: a step whose checkpoint exists
         #    has its metrics line (a step logged but not checkpointed is redone and re-logged)
