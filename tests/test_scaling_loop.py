@@ -215,7 +215,7 @@ def test_sync_check_stops_a_run_whose_engine_drifts(env):
     for fp32 the check before the first step stops the run with an error naming the step."""
     run_dir = env["root"] / "run_drift"
     proc = subprocess.run(train_cmd(env, run_dir, ["total_steps=1", "launch.nproc_per_node=1", "eval.every=0",
-                                                   "rollout.precision=bf16", "log.sync_check_tol=1e-4"]),
+                                                   "rollout.precision=bf16", "log.sync_check_tol=0.0001"]),
                           env=env["env"], cwd=env["root"], capture_output=True, text=True, timeout=400)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]
