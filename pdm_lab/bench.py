@@ -24,6 +24,8 @@ from .policy_side import PolicyOnSupport, policy_on_support, policy_on_support_r
 from .support import support_from_topk
 
 STAGE_BENCHES = ("pdm_lab.envs.bench", "pdm_lab.scaling.bench")
+# suites run only when named (minutes each): suite -> (module, function)
+EXTRA_SUITES = {"loop": ("pdm_lab.scaling.bench", "run_loop_bench")}
 
 
 def rollout_like_inputs(n_tokens: int, k: int, vocab: int, seed: int = 0) -> dict:
@@ -171,6 +173,9 @@ def main(args: argparse.Namespace) -> int:
         if stage not in args.only:
             continue
         rows += importlib.import_module(name).run_bench(args)
+    for suite, (module, fn) in EXTRA_SUITES.items():
+        if suite in args.only:
+            rows += getattr(importlib.import_module(module), fn)(args)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -187,8 +192,13 @@ def register(sub) -> None:
     p.add_argument("--vocab", type=int, default=151_936, help="vocabulary for the gather bench (Qwen3's)")
     p.add_argument("--repeat", type=int, default=3, help="timed repeats, best kept (default 3)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--only", nargs="+", default=["core", "envs", "scaling"],
-                   choices=["core", "envs", "scaling"], help="which stages to bench")
+    p.add_argument("--only", "--suite", nargs="+", default=["core", "envs", "scaling"],
+                   choices=["core", "envs", "scaling", *EXTRA_SUITES], help="which stages to bench "
+                   "(loop: the RL loop against TRL's GRPOTrainer on the same workload; not in the default)")
+    p.add_argument("--loop-steps", type=int, default=12, help="loop suite: steps per run (default 12)")
+    p.add_argument("--loop-rounds", type=int, default=2, help="loop suite: alternated rounds (default 2)")
+    p.add_argument("--loop-ranks", type=int, nargs="+", default=[0],
+                   help="loop suite: rank counts of our runs (0: the default from the machine)")
     p.add_argument("--eager-only", action="store_true",
                    help="skip the torch.compile variants (no compile time; a quick smoke run)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")

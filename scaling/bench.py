@@ -1,8 +1,8 @@
 """``pdm-lab bench`` rows of the scaling stage: the real tiny loop's step split and memory.
 
 * time per RL step split into generate / train / sync (median over the steps after the first,
-  from a real run of ``tiny-cpu.yaml`` with 2 ranks), each as a share of the step time measured in
-  the same run;
+  from a real run of ``tiny-cpu.yaml`` with its default ranks), each as a share of the step time
+  measured in the same run;
 * the mask's share of the step: the time in ``pdm_policy_loss`` (support statistics, Ḋ, mask,
   surrogate) plus the metrics, against the step; target < 2%;
 * memory of the train-side gather at the loop's vocabulary and a step's worth of tokens: the
@@ -13,6 +13,10 @@
 Optional attributes on ``args`` (the core's parser need not define them): ``scaling_config``
 (default tiny-cpu.yaml), ``scaling_steps`` (default 8), ``scaling_tokens`` (default: a step's
 response tokens per rank from the run).
+
+``run_loop_bench`` (``pdm-lab bench --suite loop``): issue 12's workload run by our loop and, where
+TRL is installed, by TRL's ``GRPOTrainer`` (HF generate and vLLM colocate) on the same model,
+prompts and batch, alternated; our step's phase split and the step-time ratios to TRL.
 """
 from __future__ import annotations
 
@@ -143,21 +147,171 @@ def run_bench(args) -> list[dict]:
     rows = step_rows(records)
     train = [r for r in records if r["step"] > 0]
     tokens = int(getattr(args, "scaling_tokens", None) or
-                 statistics.median(r["tokens/response"] for r in train) / max(1, cfg.launch.nproc_per_node))
+                 statistics.median(r["tokens/response"] for r in train) / max(1, cfg.launch.nproc_per_node or 1))
     tiny = cfg.model.tiny
     hidden, vocab = (tiny.hidden_size, tiny.vocab_size) if tiny else (4096, 151_936)
     rows += gather_rows(hidden, vocab, cfg.mask.k, max(tokens, 1))
     return rows
 
 
+# ------------------------------------------------------------------ the loop suite (vs TRL)
+# The workload of issue 12: the tiny tied Qwen3 (131k parameters, vocab 512), 8 prompts × 8
+# samples × ≤ 8 tokens, fp32, one optimiser step per batch, top-20 log-probs and the mask.
+LOOP_WORKLOAD = ["rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_tokens=8",
+                 "trainer.mini_batches=1", "trainer.micro_batch_size=64", "eval.every=0",
+                 "checkpoint.every=0", "log.sync_check_every=0", "log.tensorboard=false"]
+PHASES = ("generate", "sync", "train", "loss")
+
+
+def _ours(config: Path, steps: int, ranks: int, workdir: Path) -> dict:
+    """One run of ``pdm-lab train``: median step and phase times (ms) over steps 2..N."""
+    run_dir = workdir / f"ours_{ranks}"
+    cmd = [sys.executable, "-m", "pdm_lab.scaling.cli", "train", "--config", str(config),
+           *LOOP_WORKLOAD, f"total_steps={steps}", f"run_dir={run_dir}", "checkpoint.resume=never"]
+    if ranks:
+        cmd.append(f"launch.nproc_per_node={ranks}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loop bench run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r["step"] > 1]
+    out = {"step": statistics.median(r["time/step_s"] for r in recs) * 1e3,
+           "step_cpu": statistics.median(r["time/step_cpu_s"] for r in recs) * 1e3}
+    for phase in PHASES:
+        out[phase] = statistics.median(r[f"time/{phase}_s"] for r in recs) * 1e3
+    return out
+
+
+def _trl_child(model_dir: str, data_file: str, mode: str, steps: int, out: str) -> None:
+    """TRL's ``GRPOTrainer`` on the same model, prompts and batch (run in its own process)."""
+    import time as _time
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(x) for x in Path(data_file).read_text().splitlines()[:512]]
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                              for r in rows])
+
+    def exact(completions, answer, **_):
+        return [float(c[0]["content"].strip() == a.strip()) for c, a in zip(completions, answer)]
+
+    times: list[float] = []
+    cpu: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0, self.c0 = _time.perf_counter(), _time.process_time()
+
+        def on_step_end(self, *a, **k):
+            times.append(_time.perf_counter() - self.t0)
+            cpu.append(_time.process_time() - self.c0)
+
+    args = GRPOConfig(output_dir=str(Path(out).parent / f"trl_{mode}"), per_device_train_batch_size=64,
+                      num_generations=8, max_completion_length=8, max_steps=steps, learning_rate=3e-4,
+                      beta=0.0, num_iterations=1, steps_per_generation=1, temperature=1.0,
+                      logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                      use_vllm=mode == "vllm", vllm_mode="colocate", vllm_enable_sleep_mode=False,
+                      vllm_max_model_length=128, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=exact, args=args, train_dataset=data,
+                          callbacks=[Timer()])
+    trainer.train()
+    Path(out).write_text(json.dumps({"step": statistics.median(times[1:]) * 1e3,
+                                     "step_cpu": statistics.median(cpu[1:]) * 1e3}))
+
+
+def _trl(model_dir: Path, data_file: Path, mode: str, steps: int, workdir: Path, threads: int) -> dict:
+    out = workdir / f"trl_{mode}.json"
+    # the same intra-op threads as our loop: compare the systems, not their thread defaults
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "pdm_lab.scaling.bench", "--trl-child", str(model_dir), str(data_file),
+           mode, str(steps), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL {mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def run_loop_bench(args) -> list[dict]:
+    """Rows for ``pdm-lab bench --suite loop``: our step and its phase split, and TRL's step on the
+    same model and batch (HF generate and vLLM colocate) where TRL is installed, as ratios.
+
+    Runs alternate (ours, TRL HF, TRL vLLM) for ``loop_rounds`` rounds; medians over rounds of
+    per-run medians. The load average is printed with the rows: on a shared machine the
+    absolute times move, the ratios less.
+    """
+    import importlib.util
+
+    from .assets import data_files, model_dir
+    from .config import load_config
+    from .distributed import threads_per_rank
+
+    config = Path(getattr(args, "scaling_config", None) or CONFIG)
+    steps = int(getattr(args, "loop_steps", None) or 12)
+    rounds = int(getattr(args, "loop_rounds", None) or 2)
+    rank_counts = list(getattr(args, "loop_ranks", None) or [0])
+    cfg = load_config(config, LOOP_WORKLOAD)
+    path, train_file = model_dir(cfg), data_files(cfg)[0][0]
+    threads = threads_per_rank(cfg.launch.threads_per_rank, cfg.model.tiny.hidden_size if cfg.model.tiny
+                               else 4096, 1)
+    has_trl = importlib.util.find_spec("trl") is not None
+    runs: dict[str, list[dict]] = {}
+    loads = []
+    with tempfile.TemporaryDirectory(prefix="pdm_loop_bench_") as tmp:
+        for _ in range(rounds):
+            loads.append(os.getloadavg()[0])
+            for ranks in rank_counts:
+                runs.setdefault(f"ours_{ranks}", []).append(_ours(config, steps, ranks, Path(tmp)))
+            if has_trl:
+                for mode in ("hf", "vllm"):
+                    runs.setdefault(f"trl_{mode}", []).append(_trl(path, train_file, mode, steps, Path(tmp),
+                                                                   threads))
+    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
+    load = f"load avg {statistics.median(loads):.1f}"
+    rows = []
+    for ranks in rank_counts:
+        ours = med[f"ours_{ranks}"]
+        label = f"{ranks} rank{'s' if ranks > 1 else ''}" if ranks else "default ranks"
+        for phase in PHASES:
+            name = "mask+loss" if phase == "loss" else phase
+            rows.append({"name": f"loop [{label}]: {name} per step (median, {rounds} runs × {steps} steps)",
+                         "value": ours[phase], "unit": "ms", "reference": ours["step"],
+                         "ratio": ours[phase] / ours["step"], "target": f"share of the step; {load}"})
+        for mode, target in (("vllm", "≤ 1.0"), ("hf", "as close to 1 as the engine allows")):
+            ref = med.get(f"trl_{mode}")
+            rows.append({"name": f"loop [{label}]: step vs TRL GRPOTrainer ({'vLLM colocate' if mode == 'vllm' else 'HF generate'}, "
+                                 f"{threads} thread{'s' if threads > 1 else ''})",
+                         "value": ours["step"], "unit": "ms",
+                         "reference": ref["step"] if ref else float("nan"),
+                         "ratio": ours["step"] / ref["step"] if ref else float("nan"),
+                         "target": f"{target}; {load}" if ref else "TRL not installed ([trl] extra)"})
+            if ref and ranks <= 1:  # one process each: CPU seconds per step compare across load
+                rows.append({"name": f"loop [{label}]: CPU time per step vs TRL ({'vLLM colocate' if mode == 'vllm' else 'HF generate'})",
+                             "value": ours["step_cpu"], "unit": "ms", "reference": ref["step_cpu"],
+                             "ratio": ours["step_cpu"] / ref["step_cpu"], "target": f"{target}; {load}"})
+    return rows
+
+
 def main() -> int:
     import argparse
 
+    if len(sys.argv) > 1 and sys.argv[1] == "--trl-child":
+        model_dir_, data_file, mode, steps, out = sys.argv[2:7]
+        _trl_child(model_dir_, data_file, mode, int(steps), out)
+        return 0
     ap = argparse.ArgumentParser(prog="pdm_lab.scaling.bench")
     ap.add_argument("--scaling-config", default=None)
     ap.add_argument("--scaling-steps", type=int, default=8)
     ap.add_argument("--scaling-tokens", type=int, default=None)
-    rows = run_bench(ap.parse_args())
+    ap.add_argument("--suite", choices=["scaling", "loop"], default="scaling")
+    ap.add_argument("--loop-steps", type=int, default=12)
+    ap.add_argument("--loop-rounds", type=int, default=2)
+    ap.add_argument("--loop-ranks", type=int, nargs="+", default=[0])
+    parsed = ap.parse_args()
+    rows = run_loop_bench(parsed) if parsed.suite == "loop" else run_bench(parsed)
     for r in rows:
         print(f"{r['name']:<84.84} {r['value']:>10.4g} {r['unit']:>5} {r['reference']:>10.4g} "
               f"{r['ratio']:>7.3g}  {r['target']}")

@@ -51,6 +51,9 @@ class TinyModelConfig:
     """Longest prompt + response."""
     init_std: float = 0.02
     """Initialiser standard deviation."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with ``lm_head`` (as Qwen3 0.6B/1.7B/4B do); the weight sync
+    must then still push ``lm_head.weight``, which vLLM on CPU packs separately."""
     seed: int = 0
     """Seed of the weights and the warm-up batches."""
     sft_steps: int = 400
@@ -181,6 +184,10 @@ class RolloutConfig:
     """GPU only: fraction of device memory vLLM may take (colocated with the trainer)."""
     enforce_eager: bool = True
     """No compilation / CUDA graphs (fast start; CPU needs it for a quick tiny run)."""
+    inplace_sync: bool = True
+    """CPU: the engine computes its linear layers from unpacked weights that the weight sync
+    overwrites in place (no oneDNN repacking per step); false: vLLM's ``reload_weights``, which
+    repacks every layer each sync but decodes with packed kernels (may pay off on large models)."""
     enable_prefix_caching: bool = False
     """Prefix cache (reset after every weight sync either way)."""
     max_num_seqs: int = 256
@@ -309,9 +316,14 @@ class LogConfig:
 
     tensorboard: bool = True
     """Also write TensorBoard event files under run_dir/tb."""
-    sync_check_every: int = 0
+    sync_check_every: int = 10
     """Every this many steps, score a fixed sequence with vLLM after the sync and compare with
-    the trainer's log-probs (``sync/logp_max_abs_err``); 0: never."""
+    the trainer's log-probs (``sync/logp_max_abs_err``); the run stops with an error naming the
+    step when they differ by more than ``sync_check_tol``. Also checked once before the first
+    step. 0: only that first check."""
+    sync_check_tol: float | None = None
+    """Largest tolerated max |log μ − log π| (None: 32 ulps of the coarser of the engine and
+    trainer dtypes times (1 + max |log π|); off for fp8 rollouts, whose mismatch is intended)."""
     print_every: int = 1
     """Progress line every this many steps."""
 
@@ -320,13 +332,18 @@ class LogConfig:
 class LaunchConfig:
     """How ``pdm-lab train`` starts the ranks when not already under torchrun."""
 
-    nproc_per_node: int = 1
-    """Ranks to start on this machine (each holds an FSDP shard and a vLLM engine)."""
+    nproc_per_node: int = 0
+    """Ranks to start on this machine (each holds an FSDP shard and a vLLM engine); 0: one per
+    GPU, or one on a CPU host (``distributed.default_ranks``)."""
+    threads_per_rank: int = 0
+    """torch intra-op threads per rank; 0: the cores per rank, capped at one per 256 hidden
+    units (``distributed.threads_per_rank``: a tiny model runs fastest on one thread)."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl with CUDA, else gloo), gloo, nccl."""
 
     def __post_init__(self) -> None:
-        _check_positive("launch.nproc_per_node", self.nproc_per_node)
+        _check_positive("launch.nproc_per_node", self.nproc_per_node, allow_zero=True)
+        _check_positive("launch.threads_per_rank", self.threads_per_rank, allow_zero=True)
         _check_choice("launch.backend", self.backend, ("auto", "gloo", "nccl"))
 
 

@@ -27,6 +27,7 @@ class Layout:
     local_rank: int
     tp: int
     device: torch.device
+    local_world: int = 1
 
     @property
     def dp(self) -> int:
@@ -69,20 +70,54 @@ def init_distributed(backend: str, tensor_parallel_size: int) -> Layout:
         raise ValueError(f"world size {world} is not a multiple of rollout.tensor_parallel_size "
                          f"{tensor_parallel_size}")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return Layout(rank=rank, world=world, local_rank=local_rank, tp=tensor_parallel_size, device=device)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return Layout(rank=rank, world=world, local_rank=local_rank, tp=tensor_parallel_size, device=device,
+                  local_world=local_world)
+
+
+def default_ranks() -> int:
+    """Ranks per node when ``launch.nproc_per_node`` is 0: one per GPU; one on a CPU host.
+
+    CPU ranks on one host would share its cores and memory bandwidth, and each rank adds
+    collectives to every step (vLLM's data-parallel sync per decode step, FSDP's gathers, the
+    weight sync): measured on 2 cores, 2 ranks took 1.7× the step time of one rank. One process
+    uses all the cores through threads instead.
+    """
+    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+
+
+def threads_per_rank(requested: int, hidden_size: int, ranks_here: int) -> int:
+    """Intra-op threads of each rank: ``requested``, or (0) the cores per rank, capped at one
+    thread per 256 hidden units.
+
+    The cap: a matmul over a few dozen features is done before threads can be woken, and an
+    OpenMP team that waits on a busy core stalls the whole decode step (on a shared 2-core
+    machine the tiny model generated 25× slower with 2 threads than with 1).
+    """
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores // max(1, ranks_here), hidden_size // 256))
+
+
+def _many() -> bool:
+    """More than one rank (a world of one needs no collective)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
+    if not _many():
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t)
+    dist.all_reduce(t)
     return t.tolist()
 
 
 def all_reduce_max(values: list[float]) -> list[float]:
+    if not _many():
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 

@@ -15,7 +15,7 @@ import torch
 from .assets import check_model_config, data_files, load_data, load_tokenizer, model_dir
 from .config import TrainConfig
 from .data import DataError
-from .distributed import Layout
+from .distributed import Layout, default_ranks
 from .loop import check_layout
 from .tasks import sample_examples
 from .verifiers import get_verifier
@@ -30,7 +30,7 @@ class DryRunError(ValueError):
 def dry_run(cfg: TrainConfig, *, log=print) -> dict:
     """Validate ``cfg`` as far as possible without GPUs or weights in memory."""
     report: dict = {"config": "ok", "mask": dataclasses.asdict(cfg.mask)}
-    lay = Layout(rank=0, world=cfg.launch.nproc_per_node, local_rank=0,
+    lay = Layout(rank=0, world=cfg.launch.nproc_per_node or default_ranks(), local_rank=0,
                  tp=cfg.rollout.tensor_parallel_size, device=torch.device("cpu"))
     if lay.world % lay.tp:
         raise DryRunError(f"launch.nproc_per_node={lay.world} is not a multiple of "

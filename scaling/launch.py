@@ -43,7 +43,9 @@ def launch(cfg: TrainConfig, nproc: int | None = None) -> int:
     """Run training with ``nproc`` local ranks (default ``launch.nproc_per_node``). Exit code."""
     from .loop import run_training
 
-    nproc = nproc or cfg.launch.nproc_per_node
+    from .distributed import default_ranks
+
+    nproc = nproc or cfg.launch.nproc_per_node or default_ranks()
     if under_torchrun():
         run_training(cfg)
         return 0

@@ -25,15 +25,15 @@ from .assets import check_model_config, load_data, load_tokenizer, model_dir, st
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig, save_config
 from .data import PromptSampler
-from .distributed import Layout, all_reduce_max, all_reduce_sum, init_distributed
+from .distributed import Layout, all_reduce_max, all_reduce_sum, init_distributed, threads_per_rank
 from .evaluate import evaluate
 from .metrics_log import MetricsLog
-from .policy_model import PREFIX, is_tied, load_lm, sequence_logprobs, shard_policy
-from .rollout import (generate, make_engine, outputs_to_batch, request_seed, sampling_params,
-                      score_sequence, shutdown_engine)
+from .policy_model import DTYPES, PREFIX, load_lm, sequence_logprobs, shard_policy
+from .rollout import (engine_dtype, generate, make_engine, outputs_to_batch, request_seed,
+                      sampling_params, score_sequence, shutdown_engine, updates_in_place)
 from .train_step import update_policy
 from .verifiers import get_verifier, score_responses
-from .weight_sync import check_names, push_weights, rollout_weights
+from .weight_sync import check_names, check_sync, push_weights, rollout_weights, sync_tolerance
 
 
 def seed_everything(seed: int) -> None:
@@ -46,6 +46,36 @@ def learning_rate(cfg: TrainConfig, optimizer_step: int) -> float:
     """Linear warm-up over ``trainer.warmup_steps`` optimiser steps, then constant (SPEC §7)."""
     warm = cfg.trainer.warmup_steps
     return cfg.trainer.lr * min(1.0, (optimizer_step + 1) / warm) if warm else cfg.trainer.lr
+
+
+def make_optimizer(policy, t) -> torch.optim.Optimizer:
+    """AdamW over the policy, fused (one kernel over all parameters) where this torch can."""
+    kwargs = dict(lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay)
+    try:
+        return torch.optim.AdamW(policy.parameters(), fused=True, **kwargs)
+    except (RuntimeError, TypeError):  # no fused kernel for this device or dtype
+        return torch.optim.AdamW(policy.parameters(), foreach=True, **kwargs)
+
+
+def sync_error(llm, policy, token_ids: list[int], cfg: TrainConfig, step: int) -> float:
+    """The weight-sync check: max |log μ − log π| on a fixed sequence (all ranks' maximum);
+    raises ``SyncError`` beyond ``log.sync_check_tol`` (default: from the two dtypes).
+
+    Collective: every rank calls it.
+    """
+    engine = score_sequence(llm, token_ids)
+    trainer = sequence_logprobs(policy, token_ids).cpu()
+    # NaN (a broken engine) must survive the max-reduction: send it as +inf
+    local = float(torch.nan_to_num((engine - trainer).abs(), nan=float("inf")).max()) if len(engine) else 0.0
+    err = all_reduce_max([local, float(trainer.abs().max()) if len(trainer) else 0.0])
+    tol = cfg.log.sync_check_tol
+    if tol is None:
+        tol = sync_tolerance(getattr(torch, engine_dtype(cfg.rollout.precision)),
+                             DTYPES[cfg.trainer.param_dtype], err[1])
+        if cfg.rollout.precision == "fp8":  # fp8 weights: the mismatch is the point, not a fault
+            tol = float("inf")
+    # every rank raises together (the maximum is global), so no rank is left in a collective
+    return check_sync(err[0], tol, step)
 
 
 def check_layout(cfg: TrainConfig, lay: Layout) -> int:
@@ -104,6 +134,11 @@ def run_training(cfg: TrainConfig) -> Path:
             f"vocab {model_info['vocab_size']}, {len(train_rows)} train prompts, eval sets "
             f"{ {k: len(v) for k, v in eval_sets.items()} }, run_dir {run_dir}")
 
+    # ---- threads: before the engine, which then forbids changing them (on a tiny model one
+    #      thread per rank beats several: per-matmul work is too small to split)
+    threads = threads_per_rank(cfg.launch.threads_per_rank, model_info["hidden_size"], lay.local_world)
+    torch.set_num_threads(threads)
+
     # ---- the rollout engine (seeds the global RNG: seed explicitly afterwards)
     llm = make_engine(str(path), cfg.rollout, k=cfg.mask.k, max_model_len=max_len, seed=cfg.seed,
                       data_parallel_size=lay.dp, distributed=True)
@@ -111,13 +146,10 @@ def run_training(cfg: TrainConfig) -> Path:
 
     # ---- the trainer
     lm = load_lm(str(path), seed=cfg.seed).to(lay.device)
-    tied = is_tied(lm)
     policy = shard_policy(lm, param_dtype=cfg.trainer.param_dtype, reduce_dtype=cfg.trainer.reduce_dtype,
                           gradient_checkpointing=cfg.trainer.gradient_checkpointing)
-    check_names(policy, PREFIX, tied)
-    t = cfg.trainer
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=tuple(t.betas), eps=t.eps,
-                                  weight_decay=t.weight_decay)
+    check_names(policy, PREFIX)
+    optimizer = make_optimizer(policy, cfg.trainer)
     sampler = PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle)
 
     # ---- resume
@@ -132,9 +164,11 @@ def run_training(cfg: TrainConfig) -> Path:
         say(f"[train] resumed from {ckpt} at step {start}")
     log = MetricsLog(run_dir, tensorboard=cfg.log.tensorboard, resume_step=start, enabled=lay.is_main)
 
-    # ---- the engine starts from the trainer's exact weights (after a resume too)
-    push_weights(llm, rollout_weights(policy, cfg.rollout, PREFIX))
+    # ---- the engine starts from the trainer's exact weights (after a resume too), checked once
+    in_place = updates_in_place(cfg.rollout)
+    push_weights(llm, rollout_weights(policy, cfg.rollout, PREFIX), in_place=in_place)
     fixed_seq = list(train_rows[0].prompt_ids) + tokenizer.encode(train_rows[0].answer, add_special_tokens=False)
+    sync_error(llm, policy, fixed_seq, cfg, start)
 
     if start == 0 and cfg.eval.every and cfg.eval.at_start and eval_sets:
         t0 = time.perf_counter()
@@ -147,7 +181,7 @@ def run_training(cfg: TrainConfig) -> Path:
     prompts_per_dp = cfg.rollout.prompts_per_step // lay.dp
     G = cfg.rollout.group_size
     for step in range(start + 1, cfg.total_steps + 1):
-        t_step = time.perf_counter()
+        t_step, cpu_step = time.perf_counter(), time.process_time()
         times: dict[str, float] = {}
 
         # 1. prompts: every rank draws the same global batch and takes its group's slice
@@ -195,14 +229,12 @@ def run_training(cfg: TrainConfig) -> Path:
 
         # 6. in-place weight sync into the running engine
         t0 = time.perf_counter()
-        push_weights(llm, rollout_weights(policy, cfg.rollout, PREFIX))
+        push_weights(llm, rollout_weights(policy, cfg.rollout, PREFIX), in_place=in_place)
         times["sync"] = time.perf_counter() - t0
 
         metrics = dict(upd.metrics)
         if cfg.log.sync_check_every and step % cfg.log.sync_check_every == 0:
-            v = score_sequence(llm, fixed_seq)
-            tr = sequence_logprobs(policy, fixed_seq).cpu()
-            metrics["sync/logp_max_abs_err"] = all_reduce_max([float((v - tr).abs().max())])[0]
+            metrics["sync/logp_max_abs_err"] = sync_error(llm, policy, fixed_seq, cfg, step)
 
         # 7. rollout metrics (global over ranks)
         resp_len = batch.response_mask.sum(dim=1).float()
@@ -224,15 +256,17 @@ def run_training(cfg: TrainConfig) -> Path:
                                     dp_size=lay.dp, count_here=lay.tp_rank == 0, stop_token_ids=stops))
             times["eval"] = time.perf_counter() - t0
         times["step"] = time.perf_counter() - t_step
+        # CPU seconds of this process (all its threads): on a shared machine, less load-dependent
+        times["step_cpu"] = time.process_time() - cpu_step
 
         # 9. log (times: the slowest rank), before the checkpoint: a step whose checkpoint exists
         #    has its metrics line (a step logged but not checkpointed is redone and re-logged)
         keys = sorted(times)
-        slowest = all_reduce_max([times[k] for k in keys])
+        slowest = all_reduce_max([times[k] for k in keys] +
+                                 [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)])
         metrics.update({f"time/{k}_s": v for k, v in zip(keys, slowest)})
         metrics["time/mask_loss_share"] = times["loss"] / max(times["step"], 1e-9)
-        metrics["mem/peak_rss_gib"] = all_reduce_max(
-            [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)])[0]
+        metrics["mem/peak_rss_gib"] = slowest[-1]
         log.log(step, metrics)
         if step % cfg.log.print_every == 0 or step == cfg.total_steps:
             ev = " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items() if k.startswith("eval/") and "@" in k)

@@ -8,7 +8,7 @@ checkpointing, so no [N, V] logits tensor survives into backward (the train-side
 the bench).
 
 Sharding: ``fully_shard`` on each decoder layer, then on the wrapper (root: embeddings, final
-norm, lm_head), over gloo on CPU or nccl on GPU.
+norm, lm_head), over gloo on CPU or nccl on GPU; a single fp32 rank stays unsharded.
 """
 from __future__ import annotations
 
@@ -81,13 +81,22 @@ def load_lm(model_dir: str, *, seed: int):
 
 def shard_policy(lm: nn.Module, *, param_dtype: str, reduce_dtype: str,
                  gradient_checkpointing: bool) -> PolicyModel:
-    """FSDP2: ``fully_shard`` every decoder layer, then the root wrapper."""
+    """FSDP2: ``fully_shard`` every decoder layer, then the root wrapper.
+
+    A world of one in fp32 has nothing to shard, gather or cast: the model stays plain (FSDP's
+    hooks, DTensor gradient clipping and per-parameter DTensor ops cost more than the tiny
+    model's whole backward). Checkpoints (``torch.distributed.checkpoint``) read either form.
+    """
+    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     policy = PolicyModel(lm)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1 and param_dtype == "fp32" and reduce_dtype == "fp32":
+        return policy
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     for layer in lm.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(policy, mp_policy=mp)

@@ -37,6 +37,34 @@ def engine_dtype(precision: str) -> str:
     return {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[precision]
 
 
+def updates_in_place(rollout_cfg) -> bool:
+    """Whether the engine keeps unpacked weights that the sync overwrites in place (CPU only)."""
+    native_fp8 = rollout_cfg.precision == "fp8" and rollout_cfg.fp8_mode == "native"
+    return rollout_cfg.inplace_sync and not torch.cuda.is_available() and not native_fp8
+
+
+def _keep_cpu_weights_unpacked() -> None:
+    """Make vLLM's CPU linear layers (and the output layer) compute ``F.linear`` from their own
+    weight tensor instead of a oneDNN handle packed from a copy of it.
+
+    vLLM packs each linear's weight into an opaque oneDNN handle after loading and frees the
+    weight; a packed handle cannot be updated, so every ``reload_weights`` rebuilds all of them
+    (on a tiny model most of the sync). With the weights kept, the sync writes them in place
+    (``weight_sync.push_weights``). Layers that are not 2-D matrices keep vLLM's own dispatch.
+    """
+    from vllm.model_executor.layers import utils
+
+    original = getattr(utils.dispatch_cpu_unquantized_gemm, "__wrapped__", utils.dispatch_cpu_unquantized_gemm)
+
+    def dispatch(layer, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    dispatch.__wrapped__ = original
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
 def make_engine(model_dir: str, rollout_cfg, *, k: int, max_model_len: int, seed: int,
                 data_parallel_size: int, distributed: bool):
     """Build the in-process vLLM engine of this rank.
@@ -52,6 +80,9 @@ def make_engine(model_dir: str, rollout_cfg, *, k: int, max_model_len: int, seed
     """
     set_engine_env()
     from vllm import LLM
+
+    if updates_in_place(rollout_cfg):
+        _keep_cpu_weights_unpacked()
 
     on_gpu = torch.cuda.is_available()
     kwargs = dict(

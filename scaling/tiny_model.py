@@ -1,8 +1,9 @@
 """A tiny random Qwen3 and a locally trained tokenizer, for the CPU run (no hub access).
 
 The model is ``Qwen3ForCausalLM(Qwen3Config(...))`` with head_dim 32 (vLLM's CPU attention has no
-head_dim 16 kernel) and an untied ``lm_head`` (so the weight sync exercises the ``lm_head`` trap
-of ``shared/notes/vllm-fsdp-cpu.md``). The tokenizer is a byte-level BPE trained in memory on the
+head_dim 16 kernel) and an ``lm_head`` tied to the embedding or not (``tie_word_embeddings``;
+either way the weight sync must push ``lm_head.weight``: the trap of
+``shared/notes/vllm-fsdp-cpu.md``). The tokenizer is a byte-level BPE trained in memory on the
 task's text, with digits split one per token, wrapped in ``PreTrainedTokenizerFast`` with a
 Qwen-style chat template.
 
@@ -63,7 +64,7 @@ def build_model(tiny, vocab_size: int, eos_id: int, pad_id: int):
         intermediate_size=tiny.intermediate_size, num_hidden_layers=tiny.num_hidden_layers,
         num_attention_heads=tiny.num_attention_heads, num_key_value_heads=tiny.num_key_value_heads,
         head_dim=tiny.head_dim, max_position_embeddings=tiny.max_position_embeddings,
-        initializer_range=tiny.init_std, tie_word_embeddings=False, eos_token_id=eos_id,
+        initializer_range=tiny.init_std, tie_word_embeddings=tiny.tie_word_embeddings, eos_token_id=eos_id,
         pad_token_id=pad_id, bos_token_id=None, torch_dtype="float32",
     )
     torch.manual_seed(tiny.seed)

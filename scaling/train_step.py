@@ -172,14 +172,14 @@ def reduce_metrics(local: dict[str, float], counts: dict[str, float]) -> dict[st
 
 def _global_counts(n_tokens: int, n_seqs: int) -> tuple[float, float]:
     t = torch.tensor([float(n_tokens), float(n_seqs)], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return float(t[0]), float(t[1])
 
 
 def _all_sum(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return float(t[0])
 

@@ -7,7 +7,8 @@ with ``python -m pdm_lab train`` as a user would. Nothing is mocked.
 * the same run killed with SIGKILL after step 3 and restarted: it resumes from its last
   checkpoint, no step is lost or repeated, and every metric equals the uninterrupted run's;
 * an FP8 rollout with vLLM tensor parallelism over both ranks: the realised mismatch is logged
-  and is no longer ~0.
+  and is no longer ~0;
+* a bf16 engine checked against an fp32 tolerance: the sync check stops the run before step 1.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ COMMON = [
     "trainer.lr=0.001", "eval.every=2", "eval.k=2", "eval.max_prompts=8", "checkpoint.every=2",
     "log.sync_check_every=1", "log.print_every=1", "mask.rule=counting_pdm_topk",
     "reward.verifier=pdm_lab_plugin_plugin:flaky", "data.synthetic.n_train=400",
+    "launch.nproc_per_node=2",  # the default is one rank on a CPU host; two exercise FSDP2 + DP engines
 ]
 VOLATILE = ("time/", "mem/")
 
@@ -206,3 +208,16 @@ def test_fp8_rollout_with_tensor_parallel_engines(env):
         assert r["mismatch/topk_kl_mean"] > 1e-5
         assert r["sync/logp_max_abs_err"] > 1e-3
         assert "mismatch/dir_disagree" in r
+
+
+def test_sync_check_stops_a_run_whose_engine_drifts(env):
+    """A bf16 engine behind an fp32 trainer differs by ~0.1 in log-prob: with a tolerance meant
+    for fp32 the check before the first step stops the run with an error naming the step."""
+    run_dir = env["root"] / "run_drift"
+    proc = subprocess.run(train_cmd(env, run_dir, ["total_steps=1", "launch.nproc_per_node=1", "eval.every=0",
+                                                   "rollout.precision=bf16", "log.sync_check_tol=0.0001"]),
+                          env=env["env"], cwd=env["root"], capture_output=True, text=True, timeout=400)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    assert "sync check at step 0" in text and "tolerance 0.0001" in text, text[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists() or "step" not in (run_dir / "metrics.jsonl").read_text()
