@@ -80,11 +80,13 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr)
 
 
-def is_collapsed(curve: list[float], final: float, *, drop: float, nonfinite: bool) -> bool:
+def is_collapsed(curve: list[float], final: float | None = None, *, drop: float, nonfinite: bool) -> bool:
     """Collapse: non-finite training, or the final reward lost > `drop` of the best gain.
 
     gain = best smoothed reward − initial reward (window: a tenth of the run); a run that never
     gained more than 0.05 cannot collapse (it failed to learn, which final reward shows).
+    ``final`` None: the curve's own smoothed end, so best and end come from one measurement
+    (the batch reward; see ``collapse``). The same definition for every rule.
     """
     if nonfinite:
         return True
@@ -95,7 +97,8 @@ def is_collapsed(curve: list[float], final: float, *, drop: float, nonfinite: bo
               for i in range(len(curve))]
     initial, best = smooth[0], max(smooth)
     gain = best - initial
-    return gain > 0.05 and final < best - drop * gain
+    end = smooth[-1] if final is None else final
+    return gain > 0.05 and end < best - drop * gain
 
 
 def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None) -> dict:
@@ -194,7 +197,7 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
     return {
         "initial_reward": initial_reward,
         "final_reward": final_reward,
-        "collapsed": is_collapsed(curve, final_reward, drop=cfg.collapse_drop, nonfinite=nonfinite),
+        "collapsed": is_collapsed(curve, drop=cfg.collapse_drop, nonfinite=nonfinite),
         "nonfinite": nonfinite,
         "realised_topk_kl_mean": sums.get("mismatch/topk_kl_mean", 0.0) / steps_done,
         "realised_topk_kl_max": peaks.get("mismatch/topk_kl_max", 0.0),
