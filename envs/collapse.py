@@ -74,8 +74,8 @@ def collapse_section(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     lines = ["### Collapse", "",
-             "*Collapsed*: non-finite parameters, or the smoothed batch-reward curve ends having lost more "
-             "than half of its best gain (one definition for every rule; `pdm_lab.envs.collapse`).", "",
+             "*Collapsed*: non-finite parameters, or the smoothed batch-reward curve ends below half of the "
+             "best it reached and more than 0.05 below it (one definition for every rule; `pdm_lab.envs.collapse`).", "",
              "| mismatch | configuration | runs | collapsed | collapse rate [95% Wilson CI] | final reward of π [95% CI] | optimiser, lr | steps | epochs × mini-batches |",
              "| --- | --- | ---: | ---: | --- | --- | --- | ---: | --- |"]
     for (mismatch,), group in group_rows(rows, lambda r: (mismatch_label(r),)).items():

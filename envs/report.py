@@ -98,7 +98,7 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
                   f"*{captions.get(name, name)}.*", ""]
     lines += ["Definitions: *final reward* is π's expected reward after training (exact for the bandit, "
               "on-policy samples for the token MDP); *collapsed* means training produced non-finite values or "
-              "its smoothed batch-reward curve ended having lost more than half of its best gain; *realised mismatch* is the mean "
+              "its smoothed batch-reward curve ended below half of the best it reached (and more than 0.05 below it); *realised mismatch* is the mean "
               "top-K KL D(μ‖π) over the tokens the trainer used, measured at each update (so staleness counts); "
               "results.csv also has the rollout-time values.", ""]
     return lines

@@ -43,6 +43,9 @@ def test_definition_compares_the_curve_with_itself():
     assert not is_collapsed(rising, drop=0.5, nonfinite=False)
     assert not is_collapsed([0.05] * 10, drop=0.5, nonfinite=False)  # never learned: not a collapse
     assert not is_collapsed([0.0, 0.5, 0.5, 0.48, 0.46, 0.45], drop=0.5, nonfinite=False)  # small dip
+    assert is_collapsed([0.2, 0.15, 0.1, 0.05, 0.02, 0.0, 0.0, 0.0, 0.0, 0.0], drop=0.5,
+                        nonfinite=False)  # fell from the start: the start is the best it reached
+    assert not is_collapsed([0.04, 0.0, 0.03, 0.0, 0.02, 0.0], drop=0.5, nonfinite=False)  # noise at ~0
     assert is_collapsed(rising, drop=0.5, nonfinite=True)
 
 
