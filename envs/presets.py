@@ -5,6 +5,7 @@ runs of ~5 s each, about 7 core-hours — hours on one machine, or spread with `
 from __future__ import annotations
 
 from .audit import AuditConfig
+from .collapse import COLLAPSE_SWEEP
 from .problems import ProblemConfig
 from .sweep import SweepConfig
 from .train import TrainConfig
@@ -30,6 +31,8 @@ SWEEP_PRESETS: dict[str, SweepConfig] = {
         mismatches=("none", "noise:0.5", "noise:1", "noise:2", "tail_noise:2", "temperature:0.3",
                     "fp8_e4m3:16", "fp8_e4m3_weights:0", "stale:4"),
         deltas=(0.05, 0.15), ks=(20,), seeds=61),
+    # a reproduced collapse under mismatch (see ``collapse``): 5 rules × 3 settings × 16 seeds
+    "collapse": COLLAPSE_SWEEP,
 }
 
 AUDIT_PRESETS: dict[str, AuditConfig] = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .collapse import collapse_section
 from .summary import config_label, config_summary, group_rows, mismatch_label
 
 
@@ -85,6 +86,7 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
     for (mismatch,), group in by_mismatch.items():
         per = {label: config_summary(g) for (label,), g in group_rows(group, lambda r: (config_label(r),)).items()}
         lines += ["", f"#### mismatch `{mismatch}`", ""] + _config_table(per)
+    lines += [""] + collapse_section(rows)
     lines += ["", "### Figures", ""]
     captions = {"learning_curves": "Learning curves (mean batch reward, ±1.96 s.e. over seeds)",
                 "final_reward": "Final reward of π against realised mismatch",
@@ -96,7 +98,7 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
                   f"*{captions.get(name, name)}.*", ""]
     lines += ["Definitions: *final reward* is π's expected reward after training (exact for the bandit, "
               "on-policy samples for the token MDP); *collapsed* means training produced non-finite values or "
-              "ended having lost more than half of its best smoothed gain; *realised mismatch* is the mean "
+              "its smoothed batch-reward curve ended below half of the best it reached (and more than 0.05 below it); *realised mismatch* is the mean "
               "top-K KL D(μ‖π) over the tokens the trainer used, measured at each update (so staleness counts); "
               "results.csv also has the rollout-time values.", ""]
     return lines

@@ -27,6 +27,8 @@ from .rollout import RolloutRNG
 from .update import current_stats, masked_loss, outside_region, token_batch
 
 OPTIMIZERS = ("adam", "sgd")
+#: a smaller fall of the smoothed reward is not a collapse, whatever its fraction (batch noise)
+COLLAPSE_MIN_LOSS = 0.05
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class TrainConfig:
     eval_sequences: int = 2048
     """responses for the final on-policy evaluation of π (token MDP; the bandit is exact)."""
     collapse_drop: float = 0.5
-    """collapsed if the final reward lost more than this fraction of the best gain."""
+    """collapsed if the smoothed batch reward ended below (1 − this) × the best it reached."""
     seed: int = 0
     """seeds the rollout streams and the neural policy's initial weights."""
 
@@ -80,11 +82,15 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr)
 
 
-def is_collapsed(curve: list[float], final: float, *, drop: float, nonfinite: bool) -> bool:
-    """Collapse: non-finite training, or the final reward lost > `drop` of the best gain.
+def is_collapsed(curve: list[float], final: float | None = None, *, drop: float, nonfinite: bool) -> bool:
+    """Collapse: non-finite training, or the reward ended below (1 − `drop`) × the best reached.
 
-    gain = best smoothed reward − initial reward (window: a tenth of the run); a run that never
-    gained more than 0.05 cannot collapse (it failed to learn, which final reward shows).
+    The curve is smoothed over a window of a tenth of the run; best = its maximum (the start
+    included, so a run that only ever falls counts), end = its last value (``final`` overrides
+    it). The loss best − end must also exceed 0.05, so batch noise at a reward near zero is not a
+    collapse; a flat run (never learned, never lost) is not one either. Best and end come from
+    one measurement, the batch reward, and the definition is the same for every rule (see
+    ``collapse``).
     """
     if nonfinite:
         return True
@@ -93,9 +99,9 @@ def is_collapsed(curve: list[float], final: float, *, drop: float, nonfinite: bo
     w = max(1, len(curve) // 10)
     smooth = [sum(curve[max(0, i - w + 1):i + 1]) / len(curve[max(0, i - w + 1):i + 1])
               for i in range(len(curve))]
-    initial, best = smooth[0], max(smooth)
-    gain = best - initial
-    return gain > 0.05 and final < best - drop * gain
+    best = max(smooth)
+    end = smooth[-1] if final is None else final
+    return end < (1.0 - drop) * best and best - end > COLLAPSE_MIN_LOSS
 
 
 def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None) -> dict:
@@ -194,7 +200,7 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
     return {
         "initial_reward": initial_reward,
         "final_reward": final_reward,
-        "collapsed": is_collapsed(curve, final_reward, drop=cfg.collapse_drop, nonfinite=nonfinite),
+        "collapsed": is_collapsed(curve, drop=cfg.collapse_drop, nonfinite=nonfinite),
         "nonfinite": nonfinite,
         "realised_topk_kl_mean": sums.get("mismatch/topk_kl_mean", 0.0) / steps_done,
         "realised_topk_kl_max": peaks.get("mismatch/topk_kl_max", 0.0),

@@ -70,7 +70,7 @@ def test_collapse_rule():
     rising = [0.1 * i for i in range(10)]
     assert not is_collapsed(rising, 0.9, drop=0.5, nonfinite=False)
     assert is_collapsed(rising, 0.3, drop=0.5, nonfinite=False)  # lost > half the gain
-    assert not is_collapsed([0.1] * 10, 0.0, drop=0.5, nonfinite=False)  # never learned
+    assert not is_collapsed([0.1] * 10, drop=0.5, nonfinite=False)  # flat: never learned, never lost
     assert is_collapsed(rising, 0.9, drop=0.5, nonfinite=True)
 
 
