@@ -83,7 +83,7 @@ def one_line(err: BaseException, limit: int = 400) -> str:
     text = " ".join(part.strip() for part in str(err).splitlines() if part.strip())
     if isinstance(err, KeyError) and text.startswith(("'", '"')):
         text = f"missing key {text}"
-    if not text or isinstance(err, (ImportError, EOFError, RuntimeError)) and type(err).__name__ not in text:
+    if not text or isinstance(err, (ImportError, EOFError)) and type(err).__name__ not in text:
         text = f"{type(err).__name__}: {text}" if text else type(err).__name__
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
