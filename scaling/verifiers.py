@@ -32,7 +32,11 @@ MAX_ANSWER_CHARS = 512
 MAX_TOKENS = 200
 """Tokens in one parsed answer."""
 MAX_BITS = 4096
-"""Bit length cap on every numerator/denominator the parser builds (about 1233 digits)."""
+"""Bit length cap on every numerator/denominator the parser keeps (about 1233 digits); a power is
+refused *before* it is computed if its result would exceed it, so no intermediate ever exceeds
+2·MAX_BITS (the product of two kept values, refused right after)."""
+MAX_DEPTH = 32
+"""Nesting depth of groups (parentheses, braces, fractions, roots)."""
 MAX_ROOT = 64
 """Largest root index / exponent denominator: ``\\sqrt[n]{x}`` and ``x^{p/q}`` need n, q ≤ this."""
 TIME_BUDGET_S = 1.0
@@ -185,6 +189,7 @@ class _Parser:
             if len(self.toks) > MAX_TOKENS:
                 raise _ParseError("too long")
         self.i = 0
+        self.depth = 0
 
     def peek(self) -> str | None:
         return self.toks[self.i] if self.i < len(self.toks) else None
@@ -251,15 +256,24 @@ class _Parser:
         if base == 0 and exp < 0:
             raise _ParseError("division by zero")
         p = abs(int(exp.p))
-        if isinstance(base, sympy.Rational):
-            size = max(int(base.p).bit_length(), int(base.q).bit_length(), 1)
-        else:  # irrational base: bound the symbolic growth by the exponent alone
-            size = 8
-        if p * size > MAX_BITS:  # the result (before the root) would not fit
+        # the result's size is about p × the bits of the base's largest rational (sympy folds
+        # (√n)^p into n^{p/2}); π and friends count as 8 bits
+        size = max((max(int(r.p).bit_length(), int(r.q).bit_length()) for r in base.atoms(sympy.Rational)),
+                   default=8)
+        if p * max(size, 1) > MAX_BITS:  # the result would not fit: refuse before computing it
             raise _ParseError("power too large")
         return self.budget.check(base ** exp)
 
     def atom(self) -> sympy.Expr:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise _ParseError("nested too deeply")
+        try:
+            return self._atom()
+        finally:
+            self.depth -= 1
+
+    def _atom(self) -> sympy.Expr:
         tok = self.take()
         if tok[0].isdigit() or tok[0] == ".":
             return self.budget.check(_rational(tok))
