@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdm_lab.config import ConfigError
 from pdm_lab.lifetime import LAUNCHER_ENV, die_with_parent
 from pdm_lab.locking import DirLock
 
@@ -58,6 +59,8 @@ def launch(cfg: TrainConfig, nproc: int | None = None) -> int:
 
     from .distributed import default_ranks
 
+    if nproc is not None and nproc < 0:
+        raise ConfigError(f"--nproc: must be ≥ 0 (0: the default), got {nproc}")
     nproc = nproc or cfg.launch.nproc_per_node or default_ranks()
     if under_torchrun():
         if os.environ.get("RANK") != "0":

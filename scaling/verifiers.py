@@ -3,7 +3,9 @@
 * ``math``: the last ``\\boxed{...}`` (or, failing that, the last ``Answer: ...`` line, DAPO's
   format) compared with the reference by normalised string equality, then by exact value with a
   small recursive-descent parser (numbers, + − × ÷ ^, parentheses, ``\\frac``, ``\\sqrt``, π)
-  that builds sympy numbers directly (no ``eval``, no ``sympify`` of text, bounded exponents).
+  that builds sympy numbers directly (no ``eval``, no ``sympify`` of text). Linear in the
+  completion's length with a hard budget per call (see the limits below): an adversarial answer
+  is graded "unparseable" (``grade_math``), never a stall of the rank and its collectives.
 * ``exact``: stripped string equality (the synthetic tasks).
 * ``module:function``: any importable ``fn(response: str, answer: str) -> float``.
 
@@ -338,7 +340,9 @@ _REL_TOL = 1e-40
 def grade_math(pred: str, ref: str) -> str:
     """``"equal"``, ``"unequal"``, or ``"unparseable"`` (a value could not be read within the
     budget). Normalised string equality first, then exact values."""
-    a, b = normalize_answer(pred[:4 * MAX_ANSWER_CHARS]), normalize_answer(ref[:4 * MAX_ANSWER_CHARS])
+    if len(pred) > 4 * MAX_ANSWER_CHARS or len(ref) > 4 * MAX_ANSWER_CHARS:
+        return "unparseable"  # no real final answer is this long; normalising it is wasted work
+    a, b = normalize_answer(pred), normalize_answer(ref)
     if a == b:
         return "equal"
     budget = _Budget()
