@@ -183,7 +183,10 @@ def test_sigkill_launcher_mid_save_leaves_no_rank_and_resume_is_exact(uninterrup
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
+    t_kill = time.perf_counter()
     survivors = _wait_gone(ranks, timeout=30)
+    print(f"launcher group SIGKILLed mid-save of step 4: {len(ranks)} descendants, "
+          f"{len(survivors)} alive after {time.perf_counter() - t_kill:.2f}s")
     for pid in survivors:  # leave nothing behind for the next test, then fail
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"ranks {survivors} outlived their launcher"
