@@ -17,7 +17,8 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
+from typing import Annotated
 
 import torch
 from torch import Tensor
@@ -25,6 +26,7 @@ from torch import Tensor
 from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import paired_bootstrap_ci, sign_test, unsafe_keep_rates
 from pdm_lab.config import MaskConfig, to_dict
+from pdm_lab.config import at_least, config_dataclass, non_negative, positive  # field checks
 
 from .mismatch import Mismatch
 from .policies import make_policy
@@ -36,7 +38,7 @@ from .update import TokenBatch, current_stats, masked_loss, outside_region, toke
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
-@dataclass(frozen=True)
+@config_dataclass("")
 class AuditConfig:
     """Arguments of the direction audit (defaults: the paper's 61 seeds × 1024 sequences)."""
 
@@ -44,45 +46,45 @@ class AuditConfig:
     """environment (default: the softmax bandit, 64 prompts × 1000 tokens)."""
     policy: str = "tabular"
     """``tabular`` or ``neural``."""
-    hidden: int = 64
+    hidden: Annotated[int, at_least(1)] = 64
     """neural policy width."""
     rules: tuple[str, ...] = ("dppo_topk_kl", "pdm_uniform")
     """the compared pair (A, B): A is the reference every other rule is also paired with."""
     extra_rules: tuple[str, ...] = ("pdm_agg", "pdm_topk", "pdm_exact")
     """further rules, each audited against rules[0] (their own disagreement sets)."""
-    seeds: int = 61
+    seeds: Annotated[int, at_least(1)] = 61
     """seeds, each with a fresh batch (paper: 61)."""
-    first_seed: int = 0
+    first_seed: Annotated[int, at_least(0)] = 0
     """seeds are first_seed, first_seed + 1, …"""
-    sequences: int = 1024
+    sequences: Annotated[int, at_least(1)] = 1024
     """sequences per batch (paper: 1024)."""
-    group_size: int = 16
+    group_size: Annotated[int, at_least(1)] = 16
     """G, sequences per prompt."""
-    delta: float = 0.15
+    delta: Annotated[float, non_negative] = 0.15
     """δ (paper: 0.15)."""
-    k: int = 20
+    k: Annotated[int, at_least(1)] = 20
     """K (paper: 20)."""
     convention: str = "union"
     """support convention."""
     mismatch: str = "noise:1"
     """μ's mismatch (see ``mismatch``); σ = 1 gives a bandit seed ~60 disagreement tokens (paper: 82)."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, at_least(0)] = 0
     """plain GRPO steps (rule ``none``, Adam, no mismatch) before the audit, to leave the prior."""
     optimizer: str = "sgd"
     """``sgd`` (the update direction SPEC §3 analyses) or ``adam`` (a fresh Adam: a sign step)."""
-    lr: float = 1.0
+    lr: Annotated[float, positive] = 1.0
     """learning rate of the audited step."""
     single_token: bool = True
     """run study (a)."""
-    single_token_max: int = 16
+    single_token_max: Annotated[int, at_least(0)] = 16
     """at most this many disagreement tokens per rule and seed in study (a)."""
     single_token_rules: tuple[str, ...] = ("dppo_topk_kl", "pdm_uniform", "pdm_exact")
     """rules whose kept disagreement tokens study (a) updates one at a time."""
-    k_sweep: tuple[int, ...] = (1, 2, 5, 10, 20, 50, 100)
+    k_sweep: Annotated[tuple[int, ...], at_least(1)] = (1, 2, 5, 10, 20, 50, 100)
     """K values of study (b); empty to skip."""
-    k_sweep_seeds: int = 6
+    k_sweep_seeds: Annotated[int, at_least(1)] = 6
     """seeds per K in study (b)."""
-    n_boot: int = 10_000
+    n_boot: Annotated[int, at_least(1)] = 10_000
     """bootstrap resamples."""
 
     def __post_init__(self) -> None:

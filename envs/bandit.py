@@ -1,23 +1,25 @@
 """The softmax bandit: one-step prompts with a reward per token, sampled in GRPO groups."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from torch import Tensor
+
+from pdm_lab.config import at_least, config_dataclass, non_negative  # field checks
 
 from .prior import zipf_logits
 
 REWARD_KINDS = ("one_correct", "few_correct", "bernoulli", "gaussian")
 
 
-@dataclass(frozen=True)
+@config_dataclass("problem.bandit")
 class BanditConfig:
     """Arguments of ``SoftmaxBandit``."""
 
-    vocab_size: int = 1000
+    vocab_size: Annotated[int, at_least(2)] = 1000
     """n, tokens per prompt."""
-    num_prompts: int = 64
+    num_prompts: Annotated[int, at_least(1)] = 64
     """P independent one-state bandits (prompts); 1 gives the classic single-state bandit."""
     reward: str = "one_correct"
     """one of REWARD_KINDS."""
@@ -30,7 +32,7 @@ class BanditConfig:
     temperature_spread: float = 2.0
     """per-prompt τ drawn log-uniformly in [τ/spread, τ·spread]: peaked and flat prompts side by
     side, as an LLM's positions (n = 1000, K = 20: tail mass from ~3% to ~88%); 1 = all equal."""
-    reward_noise: float = 1.0
+    reward_noise: Annotated[float, non_negative] = 1.0
     """σ of the Gaussian reward noise for ``gaussian``."""
     seed: int = 0
     """seed of the prompts' initial logits and reward tables."""

@@ -6,6 +6,7 @@ preset's fields as keys), then individual flags override single fields.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,7 +89,10 @@ def _merge(base, path: Path | None):
         return base
     import yaml
 
-    overrides = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    with open(path, encoding="utf-8") as fh:  # a YAML error then names the file, line and column
+        overrides = yaml.safe_load(fh) or {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{path}: expected a mapping of config fields, got {type(overrides).__name__}")
     merged = to_dict(base)
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
@@ -158,7 +162,8 @@ def _config_or_exit(build, args: argparse.Namespace, command: str):
     try:
         return build(args)
     except (ConfigError, ValueError, OSError) as err:
-        raise SystemExit(f"pdm-lab {command}: error: {err}") from None
+        print(f"pdm-lab {command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def audit_main(args: argparse.Namespace) -> int:

@@ -17,6 +17,9 @@ EXECUTORS = ("local", "ray")
 def _init_worker() -> None:
     import torch
 
+    from pdm_lab.lifetime import die_with_parent
+
+    die_with_parent()  # a killed sweep leaves no worker writing into --out (issue 9)
     torch.set_num_threads(1)
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from pdm_lab.config import config_dataclass  # field checks: a NaN strength is an error
+
 #: tail_noise perturbs the tokens outside π's top this-many.
 TAIL_NOISE_TOP = 20
 
@@ -67,7 +69,7 @@ def round_through(x: Tensor, dtype: torch.dtype, magnitude: float = 0.0, *, per_
     return (q - magnitude).to(x.dtype)
 
 
-@dataclass(frozen=True)
+@config_dataclass("mismatch")
 class MismatchSource:
     """One named source of mismatch and its strength (see the module table)."""
 

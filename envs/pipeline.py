@@ -5,6 +5,8 @@ import json
 import time
 from pathlib import Path
 
+from pdm_lab.locking import DirLock
+
 from .audit import AuditConfig, run_audit
 from .plots import audit_figures, sweep_figures
 from .records import write_json_atomic
@@ -29,6 +31,12 @@ def sweep_to_dir(cfg: SweepConfig, out: str | Path, *, executor=None, audit: Aud
                  progress: bool = True, title: str = "pdm_lab toy sweep") -> dict:
     """Run (or resume) the sweep, optionally the audit, then the table, figures and report.md."""
     out = Path(out)
+    with DirLock(out, what="sweep output"):  # held through the report too (re-entrant)
+        return _sweep_to_dir_locked(cfg, out, executor, audit, progress, title)
+
+
+def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConfig | None,
+                         progress: bool, title: str) -> dict:
     start = time.perf_counter()
     status = run_sweep(cfg, out, executor=executor, progress=progress)
     audit_doc, audit_figs = None, None

@@ -11,10 +11,13 @@ Both expose ``collect(policy, mismatch, num_groups, group_size, rng) -> RolloutB
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
 import torch
 from torch import Tensor
+
+from pdm_lab.config import at_least, config_dataclass, positive  # field checks
 
 from .bandit import BanditConfig, SoftmaxBandit
 from .encoders import AutomatonEncoder, BanditEncoder
@@ -28,15 +31,15 @@ from .token_mdp_vector import TokenMDPVectorEnv
 PROBLEM_KINDS = ("bandit", "token_mdp")
 
 
-@dataclass(frozen=True)
+@config_dataclass("problem.token_mdp")
 class TokenMDPConfig:
     """Arguments of the token-MDP problem (task and the prior of the initial policy)."""
 
     task: str = "sum"
     """``sum`` or ``grammar`` (see ``tasks``)."""
-    vocab_size: int = 128
+    vocab_size: Annotated[int, at_least(2)] = 128
     """n."""
-    max_len: int = 6
+    max_len: Annotated[int, at_least(1)] = 6
     """L, the response budget (EOS included)."""
     modulus: int = 8
     """``sum``: the modulus m (prompts are targets in [0, m))."""
@@ -48,7 +51,7 @@ class TokenMDPConfig:
     """``grammar``: shortest accepted answer."""
     task_seed: int = 0
     """``grammar``: seed of the hidden DFA."""
-    temperature: float = 1.0
+    temperature: Annotated[float, positive] = 1.0
     """Zipf temperature τ of the prior logits (tail mass)."""
     prior_seed: int = 0
     """seed of the prior's permutations."""
@@ -61,7 +64,7 @@ class TokenMDPConfig:
                     min_len=self.min_len, task_seed=self.task_seed)
 
 
-@dataclass(frozen=True)
+@config_dataclass("problem")
 class ProblemConfig:
     """Which problem, and its arguments."""
 

@@ -1,11 +1,14 @@
-"""Small file helpers: JSON Lines appended as they come, atomic JSON writes, plain numbers."""
+"""Small file helpers: JSON Lines appended as they come, atomic JSON writes, plain numbers,
+and reading back a result file that may have been damaged (named, moved aside, recomputed)."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 
 def plain(value: Any) -> Any:
@@ -62,16 +65,55 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return out
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON to a temporary file in the same folder, fsync it, then rename over `path`."""
-    path = Path(path)
+def _write_atomic(path: Path, write: Callable[[Any], None]) -> None:
+    """Write through a uniquely named temporary file in the same folder, fsync, rename over
+    ``path``: two writers never share a temporary name, a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(plain(data), fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON atomically (unique temporary file, fsync, rename over ``path``)."""
+    _write_atomic(Path(path), lambda fh: json.dump(plain(data), fh, indent=1))
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write text atomically (unique temporary file, fsync, rename over ``path``)."""
+    _write_atomic(Path(path), lambda fh: fh.write(text))
+
+
+def read_json_or_quarantine(path: str | Path, *, valid: Callable[[Any], bool] = lambda doc: True,
+                            warn: Callable[[str], None] | None = None) -> Any | None:
+    """The JSON document at ``path``; None if it is missing. A file that does not parse (or fails
+    ``valid``) is named in a warning and moved aside to ``<name>.corrupt``, ``.corrupt1``, …, and
+    None is returned, so the caller recomputes it instead of dying on a ``JSONDecodeError``."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if valid(doc):
+            return doc
+        why = "unexpected content"
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError) as err:
+        why = f"not valid JSON ({str(err).splitlines()[0]})"
+    aside, n = path.with_name(path.name + ".corrupt"), 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.corrupt{n}")
+    os.replace(path, aside)
+    (warn or (lambda msg: print(msg, file=sys.stderr, flush=True)))(
+        f"warning: {path}: {why}; moved aside to {aside.name}, recomputing")
+    return None
 
 
 def write_lines(path: str | Path, lines: Iterable[str]) -> None:

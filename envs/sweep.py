@@ -19,13 +19,16 @@ import json
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import Annotated
 from pathlib import Path
 
 from pdm_lab.config import MaskConfig, from_dict, to_dict
+from pdm_lab.config import at_least, config_dataclass, non_negative  # field checks
+from pdm_lab.locking import DirLock
 from pdm_lab.masks import get_mask_rule
 
 from .mismatch import Mismatch
-from .records import plain, read_jsonl, write_json_atomic
+from .records import plain, read_json_or_quarantine, read_jsonl, write_json_atomic, write_text_atomic
 from .train import TrainConfig, train
 
 #: Columns of results.csv, in order (``scaling``'s ``promote`` reads these names).
@@ -39,7 +42,7 @@ COLUMNS = (
 )
 
 
-@dataclass(frozen=True)
+@config_dataclass("")
 class SweepConfig:
     """The grid. Every combination of the tuple fields is one cell; each cell runs ``seeds`` times."""
 
@@ -51,15 +54,15 @@ class SweepConfig:
     """μ's mismatch per cell, ``kind:strength`` (see ``mismatch``)."""
     base_mismatch: str = ""
     """composed into every cell's mismatch (e.g. ``stale:2``); empty for none."""
-    deltas: tuple[float, ...] = (0.15,)
+    deltas: Annotated[tuple[float, ...], non_negative] = (0.15,)
     """δ values."""
-    ks: tuple[int, ...] = (20,)
+    ks: Annotated[tuple[int, ...], at_least(1)] = (20,)
     """K values."""
     conventions: tuple[str, ...] = ("union",)
     """support conventions."""
-    seeds: int = 3
+    seeds: Annotated[int, at_least(1)] = 3
     """runs per cell, seeds first_seed … first_seed + seeds − 1."""
-    first_seed: int = 0
+    first_seed: Annotated[int, at_least(0)] = 0
     """first seed."""
 
     def __post_init__(self) -> None:
@@ -154,6 +157,11 @@ def run_path(out: Path, cid: str, seed: int) -> Path:
     return out / "cells" / cid / f"seed_{seed}.json"
 
 
+def read_run(path: Path) -> dict | None:
+    """A finished run's record; None if missing or corrupt (then named and moved aside)."""
+    return read_json_or_quarantine(path, valid=lambda doc: isinstance(doc, dict) and "row" in doc)
+
+
 def pending_jobs(cfg: SweepConfig, out: Path) -> tuple[list[RunJob], int]:
     """Jobs not yet finished in ``out`` (writes each cell's config.json), and the total count."""
     jobs, total = [], 0
@@ -164,7 +172,7 @@ def pending_jobs(cfg: SweepConfig, out: Path) -> tuple[list[RunJob], int]:
             write_json_atomic(cell_dir / "config.json", to_dict(cell))
         for seed in cfg.seed_list:
             total += 1
-            if not run_path(out, cid, seed).exists():
+            if read_run(run_path(out, cid, seed)) is None:  # missing, or corrupt (moved aside)
                 jobs.append(RunJob(cid, seed, to_dict(cell), str(cell_dir / f"seed_{seed}.jsonl")))
     return jobs, total
 
@@ -176,10 +184,14 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, executor=None, progress: boo
         ``{"total": runs in the grid, "skipped": already finished, "ran": finished now,
         "wall_s": seconds}``.
     """
+    out = Path(out)
+    with DirLock(out, what="sweep output"):  # one sweep per --out: no cell runs twice
+        return _run_sweep_locked(cfg, out, executor, progress)
+
+
+def _run_sweep_locked(cfg: SweepConfig, out: Path, executor, progress: bool) -> dict:
     from .executors import LocalExecutor
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "sweep.json", to_dict(cfg))
     jobs, total = pending_jobs(cfg, out)
     executor = executor or LocalExecutor()
@@ -212,9 +224,9 @@ def load_runs(cfg: SweepConfig, out: str | Path) -> list[dict]:
     for cell in cfg.cells():
         cid = cell_id(cell)
         for seed in cfg.seed_list:
-            path = run_path(out, cid, seed)
-            if path.exists():
-                runs.append(json.loads(path.read_text(encoding="utf-8")))
+            run = read_run(run_path(out, cid, seed))
+            if run is not None:
+                runs.append(run)
     return runs
 
 
@@ -226,9 +238,7 @@ def write_table(cfg: SweepConfig, out: str | Path) -> list[dict]:
     lines = [",".join(COLUMNS)]
     for row in rows:
         lines.append(",".join(_csv_cell(row.get(c)) for c in COLUMNS))
-    tmp = out / ".results.csv.tmp"
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tmp.replace(out / "results.csv")
+    write_text_atomic(out / "results.csv", "\n".join(lines) + "\n")
     return rows
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import unsafe_keep_rates
 from pdm_lab.config import MaskConfig
+from pdm_lab.config import at_least, config_dataclass, in_range, positive  # field checks
 
 from .mismatch import Mismatch
 from .policies import make_policy
@@ -31,7 +33,7 @@ OPTIMIZERS = ("adam", "sgd")
 COLLAPSE_MIN_LOSS = 0.05
 
 
-@dataclass(frozen=True)
+@config_dataclass("")
 class TrainConfig:
     """One training run (a sweep cell × seed)."""
 
@@ -39,7 +41,7 @@ class TrainConfig:
     """the environment (bandit or token MDP) and its arguments."""
     policy: str = "tabular"
     """``tabular`` or ``neural``."""
-    hidden: int = 64
+    hidden: Annotated[int, at_least(1)] = 64
     """hidden width of the neural policy."""
     mask: MaskConfig = field(default_factory=MaskConfig)
     """mask rule, δ, K, convention, estimator, aggregation (pdm_lab.config.MaskConfig)."""
@@ -47,25 +49,25 @@ class TrainConfig:
     """μ's mismatch, e.g. ``noise:0.5`` or ``fp8_e4m3_weights:0+stale:4`` (see ``mismatch``)."""
     optimizer: str = "adam"
     """``adam`` or ``sgd``."""
-    lr: float = 0.05
+    lr: Annotated[float, positive] = 0.05
     """learning rate."""
-    steps: int = 40
+    steps: Annotated[int, at_least(1)] = 40
     """rollout batches (GRPO steps)."""
-    groups_per_step: int = 32
+    groups_per_step: Annotated[int, at_least(1)] = 32
     """prompts per rollout batch."""
-    group_size: int = 16
+    group_size: Annotated[int, at_least(1)] = 16
     """G, responses per prompt."""
-    epochs: int = 1
+    epochs: Annotated[int, at_least(1)] = 1
     """E, passes over each rollout batch."""
-    minibatches: int = 1
+    minibatches: Annotated[int, at_least(1)] = 1
     """M, optimiser steps per pass (``stale:s`` raises it to s)."""
     scale_adv_by_std: bool = True
     """GRPO's division by the group's reward std (False: Dr. GRPO)."""
     track_unsafe_keep: bool = True
     """recompute D after each optimiser step (one extra forward pass)."""
-    eval_sequences: int = 2048
+    eval_sequences: Annotated[int, at_least(1)] = 2048
     """responses for the final on-policy evaluation of π (token MDP; the bandit is exact)."""
-    collapse_drop: float = 0.5
+    collapse_drop: Annotated[float, in_range(0.0, 1.0)] = 0.5
     """collapsed if the smoothed batch reward ended below (1 − this) × the best it reached."""
     seed: int = 0
     """seeds the rollout streams and the neural policy's initial weights."""

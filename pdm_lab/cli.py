@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 #: Modules that expose ``register(subparsers)``; imported lazily so `--help` stays fast.
@@ -26,8 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, show the full traceback (also: PDM_LAB_DEBUG=1)")
     args = parser.parse_args(argv)
-    code = args.func(args)
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # noqa: BLE001 - every failure is one line naming the input (issue 9)
+        if args.debug or os.environ.get("PDM_LAB_DEBUG"):
+            raise
+        from .errors import exit_code, one_line
+
+        print(f"pdm-lab {args.command}: error: {one_line(err)} (--debug for the traceback)", file=sys.stderr)
+        return exit_code(err)
     return int(code or 0)
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
 
@@ -28,35 +29,146 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric config field, as ``typing.Annotated`` metadata on the field:
+    ``lr: Annotated[float, positive] = 1e-6``. On a tuple/list field it bounds every element.
+
+    Every float field of a ``config_dataclass`` is also checked finite (NaN never passes; ±inf
+    only with ``allow_inf``), and every int field must hold an int, whether or not it has a Range:
+    ``delta = .nan`` used to turn every δ-based mask off silently (issue 9).
+    """
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    allow_inf: bool = False
+
+    def problem(self, value: float) -> str | None:
+        """Why ``value`` is out of range, or None."""
+        if value != value or (math.isinf(value) and not self.allow_inf):
+            return "must be a finite number"
+        if value < self.low or (self.low_open and value == self.low):
+            return f"must be {'>' if self.low_open else '≥'} {self.low:g}"
+        if value > self.high or (self.high_open and value == self.high):
+            return f"must be {'<' if self.high_open else '≤'} {self.high:g}"
+        return None
+
+
+FINITE = Range()
+positive = Range(low=0.0, low_open=True)
+non_negative = Range(low=0.0)
+
+
+def at_least(low: float) -> Range:
+    """Range [low, ∞)."""
+    return Range(low=low)
+
+
+def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Range:
+    """Range between low and high (closed unless ``low_open`` / ``high_open``)."""
+    return Range(low=low, high=high, low_open=low_open, high_open=high_open)
+
+
+def config_dataclass(section: str = "") -> typing.Callable[[type[T]], type[T]]:
+    """``@dataclass(frozen=True)`` plus the field checks, run before the class's own
+    ``__post_init__``: so a value is checked however the config is built (YAML, ``replace``,
+    a CLI flag, a constructor call). ``section`` prefixes field names in errors (``mask.delta``)."""
+    def wrap(cls: type[T]) -> type[T]:
+        own = cls.__dict__.get("__post_init__")
+
+        def __post_init__(self) -> None:
+            check_fields(self)
+            if own is not None:
+                own(self)
+
+        cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+        cls.__config_section__ = section  # type: ignore[attr-defined]
+        return dataclasses.dataclass(frozen=True)(cls)
+    return wrap
+
+
+def check_fields(instance: Any) -> None:
+    """Type and range of every numeric field (``Range`` metadata; floats finite by default)."""
+    cls = type(instance)
+    section = getattr(cls, "__config_section__", "")
+    hints = _extra_hints(cls)
+    for f in dataclasses.fields(instance):
+        where = f"{section}.{f.name}" if section else f.name
+        _check_value(where, hints[f.name], getattr(instance, f.name), ())
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _extra_hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls, include_extras=True)
+    return _HINTS[cls]
+
+
+def _check_value(where: str, tp: Any, value: Any, ranges: tuple[Range, ...]) -> None:
+    if typing.get_origin(tp) is typing.Annotated:
+        base, *meta = typing.get_args(tp)
+        _check_value(where, base, value, ranges + tuple(m for m in meta if isinstance(m, Range)))
+        return
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return
+        numeric = [a for a in typing.get_args(tp) if a in (int, float) or typing.get_origin(a) is typing.Annotated]
+        if len(numeric) == 1:
+            _check_value(where, numeric[0], value, ranges)
+        return
+    if origin in (tuple, list) and isinstance(value, (tuple, list)):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        for i, item in enumerate(value):
+            _check_value(f"{where}[{i}]", args[0] if args else Any, item, ranges)
+        return
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+    else:
+        return
+    for rng in ranges or (FINITE,):
+        why = rng.problem(float(value))
+        if why is not None:
+            raise ConfigError(f"{where}: {why}, got {value!r}")
+
+
+@config_dataclass("mask")
 class MaskConfig:
     """The trust-region mask and the policy loss (SPEC §4–5). Defaults follow the paper (§7)."""
 
     rule: str = "pdm_uniform"
     """Mask rule from the registry (``pdm_lab.masks.MASK_RULES``)."""
-    delta: float = 0.15
+    delta: Annotated[float, non_negative] = 0.15
     """Trust-region threshold δ on the divergence (paper: 0.15, also 0.05)."""
-    delta_neg: float | None = None
+    delta_neg: Annotated[float, non_negative] | None = None
     """Separate δ for Â < 0 (DPPO's code allows it); None: same as ``delta``."""
-    k: int = 20
+    k: Annotated[int, at_least(1)] = 20
     """K, how many of μ's top tokens the rollout exposes (paper: 20)."""
     convention: str = "union"
     """Support convention: ``union`` (paper, TopK ∪ {k}) or ``kslot`` (DPPO's public code)."""
     estimator: str | None = None
     """Ḋ estimator of the direction metrics; None: the rule's own (``MaskRule.estimator``), or
     ``topk`` (the exact derivative of the thresholded D) for rules without one."""
-    eps_low: float = 0.2
+    eps_low: Annotated[float, non_negative] = 0.2
     """ppo_clip lower ε (GRPO clip-higher: 0.2)."""
-    eps_high: float = 0.28
+    eps_high: Annotated[float, non_negative] = 0.28
     """ppo_clip upper ε (GRPO clip-higher: 0.28)."""
-    icepop_low: float = 0.5
+    icepop_low: Annotated[float, non_negative] = 0.5
     """icepop α: keep only r ≥ α."""
-    icepop_high: float = 2.0
+    icepop_high: Annotated[float, non_negative] = 2.0
     """icepop β: keep only r ≤ β."""
-    clip_ratio_c: float | None = None
+    clip_ratio_c: Annotated[float, positive] | None = None
     """TIS-style cap c on the ratio factor, sg(min(r, c)); None: no cap."""
     aggregation: str = "token-mean"
     """Loss aggregation (DAPO's token-mean by default)."""
-    horizon: int | None = None
+    horizon: Annotated[int, at_least(1)] | None = None
     """Fixed horizon for ``seq-mean-token-sum-norm``; None: the padded response length."""
     # SPEC §4b: the rules frameworks ship (pdm_lab/framework_rules.py)
     dual_clip_c: float = 3.0
@@ -79,19 +191,8 @@ class MaskConfig:
         if self.estimator is not None:
             _one_of("mask.estimator", self.estimator, DDOT_ESTIMATORS)
         _one_of("mask.aggregation", self.aggregation, AGGREGATIONS)
-        for name in ("delta", "eps_low", "eps_high", "icepop_low"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"mask.{name}: must be ≥ 0, got {getattr(self, name)}")
-        if self.delta_neg is not None and self.delta_neg < 0:
-            raise ConfigError(f"mask.delta_neg: must be ≥ 0, got {self.delta_neg}")
-        if self.k < 1:
-            raise ConfigError(f"mask.k: must be ≥ 1, got {self.k}")
         if self.icepop_high < self.icepop_low:
             raise ConfigError(f"mask.icepop_high ({self.icepop_high}) < icepop_low ({self.icepop_low})")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 0:
-            raise ConfigError(f"mask.clip_ratio_c: must be > 0, got {self.clip_ratio_c}")
-        if self.horizon is not None and self.horizon < 1:
-            raise ConfigError(f"mask.horizon: must be ≥ 1, got {self.horizon}")
         _check_framework_fields(self)
 
     @property

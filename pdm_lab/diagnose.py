@@ -29,7 +29,8 @@ def diagnose(mu_logp: Tensor, pi_logp: Tensor, sampled: Tensor, advantages: Tens
         k, delta, convention: K, δ and the support convention (SPEC §2, §4).
 
     Returns:
-        [N] tensors ``topk_kl, topk_tv, full_kl, ratio, mu_tail, pi_tail, ddot_exact, ddot_agg,
+        [N] tensors ``topk_kl, topk_tv, full_kl, ratio`` (float64; +inf only where log r > 709,
+        i.e. r is beyond float64 itself: read ``log_ratio`` there), ``log_ratio, mu_tail, pi_tail, ddot_exact, ddot_agg,
         ddot_uniform, ddot_topk, ddot_lower, ddot_upper, outside`` (bool, D > δ) and masks
         ``mask_<rule>`` (1.0 keep, 0.0 drop) for ``DIAGNOSE_MASKS``; ``support`` [N, m] int64
         padded with −1.
@@ -45,7 +46,8 @@ def diagnose(mu_logp: Tensor, pi_logp: Tensor, sampled: Tensor, advantages: Tens
     stats = token_stats(support, pi, mu_full=mu_logp, pi_full=pi_logp)
     out: dict[str, Tensor] = {
         "topk_kl": stats.topk_kl, "topk_tv": stats.topk_tv, "full_kl": stats.full_kl,
-        "ratio": stats.ratio, "mu_tail": stats.mu_tail, "pi_tail": stats.pi_tail,
+        # float64: e^{100} overflows float32 though r is finite; inf only past log r ≈ 709
+        "ratio": torch.exp(stats.log_ratio.double()), "log_ratio": stats.log_ratio, "mu_tail": stats.mu_tail, "pi_tail": stats.pi_tail,
         "ddot_lower": stats.ddot_lower, "ddot_upper": stats.ddot_upper,
         "outside": stats.topk_kl > delta, "support": support.ids,
     }

@@ -39,9 +39,17 @@ def binary_tv(mu_logp_k: Tensor, pi_logp_k: Tensor) -> Tensor:
     return (torch.exp(pi_logp_k) - torch.exp(mu_logp_k)).abs()
 
 
-def binary_kl(mu_logp_k: Tensor, pi_logp_k: Tensor) -> Tensor:
-    """DPPO's binary KL: KL(Bernoulli(μ_k) ‖ Bernoulli(π_k)), the complements via log1mexp."""
-    kl = xlogy_ratio(mu_logp_k, pi_logp_k) + xlogy_ratio(log1mexp(mu_logp_k), log1mexp(pi_logp_k))
+def binary_kl(mu_logp_k: Tensor, pi_logp_k: Tensor, *, mu_rest_logp: Tensor | None = None,
+              pi_rest_logp: Tensor | None = None) -> Tensor:
+    """DPPO's binary KL: KL(Bernoulli(μ_k) ‖ Bernoulli(π_k)).
+
+    The complements log(1 − μ_k), log(1 − π_k) come from ``rest_logmass`` (a log-sum-exp over
+    the rest of the distribution, SPEC §8) when given, else from log1mexp: with π_k within 1e-8
+    of 1, log π_k rounds to 0 in float32 and log1mexp(0) = −inf made the KL +inf (issue 9).
+    """
+    mu_rest = log1mexp(mu_logp_k) if mu_rest_logp is None else mu_rest_logp
+    pi_rest = log1mexp(pi_logp_k) if pi_rest_logp is None else pi_rest_logp
+    kl = xlogy_ratio(mu_logp_k, pi_logp_k) + xlogy_ratio(mu_rest, pi_rest)
     return kl.clamp(min=0.0)
 
 

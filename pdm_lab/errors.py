@@ -74,3 +74,29 @@ def check_logp(name: str, logp: Tensor, *, allow_neg_inf: bool = True) -> None:
     if not allow_neg_inf:  # a legal −inf elsewhere must not hide the real fault below
         raise_at(name, logp == float("-inf"), "-inf log-probability (zero probability) not allowed")
     raise_at(name, logp > tol, "log-probability above 0", logp)
+
+
+def one_line(err: BaseException, limit: int = 400) -> str:
+    """An exception as one line for a command line: its message with newlines folded (a YAML
+    error names the file, line and column over three lines), prefixed by the type when the
+    message alone would not say what went wrong."""
+    text = " ".join(part.strip() for part in str(err).splitlines() if part.strip())
+    if isinstance(err, KeyError) and text.startswith(("'", '"')):
+        text = f"missing key {text}"
+    if not text or isinstance(err, (ImportError, EOFError)) and type(err).__name__ not in text:
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def exit_code(err: BaseException) -> int:
+    """2 for bad input (a config, a file, a flag, a plugin, a locked directory), 1 otherwise."""
+    input_errors: tuple[type, ...] = (ValueError, OSError, ImportError, KeyError, EOFError)
+    try:
+        import yaml
+
+        input_errors += (yaml.YAMLError,)
+    except ImportError:  # pragma: no cover - yaml is a dependency
+        pass
+    from .locking import LockHeldError
+
+    return 2 if isinstance(err, (*input_errors, LockHeldError)) else 1

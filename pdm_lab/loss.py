@@ -1,6 +1,7 @@
 """The masked policy loss (SPEC §5): the one function the toys and the scaling loop call."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +30,22 @@ def token_surrogate(logp_k: Tensor, mu_logp_k: Tensor, advantages: Tensor, keep:
                     clip_ratio_c: float | None = None) -> Tensor:
     """Per-token loss whose gradient is −M·min(r, c)·Â·∇log π_k (M, the cap: constants).
 
-    Value −M·Â·min(r, c): written as r·sg(min(r, c)/r) so r carries the gradient (r∇log π_k)
-    and the cap is a stop-gradient factor, as in TIS.
+    Value −M·Â·min(r, c), computed as exp(log r + sg(min(0, log c − log r))) so the cap never
+    forms r itself (r = e^{110} overflows; min(r, c)/r was 0/0) and r still carries the gradient.
+    Dropped tokens (M = 0) and Â = 0 are *selected* to exactly 0 before any exponential, never
+    multiplied by 0: 0·inf = NaN, and a dropped token's log r may be anything finite (issue 9).
+    A kept, uncapped token whose r overflows the dtype (log r > ~88 in float32) is +inf: that is
+    the true value, which only a cap (``clip_ratio_c``) or the mask bounds.
     """
-    ratio = torch.exp(logp_k - mu_logp_k.detach())
-    if clip_ratio_c is not None:
-        ratio = ratio * (torch.clamp(ratio, max=clip_ratio_c) / ratio).detach()
-    return -keep.detach() * advantages.detach() * ratio
+    log_ratio = logp_k - mu_logp_k.detach()
+    active = keep.detach().bool() & (advantages.detach() != 0)
+    # select before exp: the unselected branch gets an exactly-zero gradient, not 0·inf
+    log_ratio = torch.where(active, log_ratio, torch.zeros_like(log_ratio))
+    if clip_ratio_c is not None:  # TIS cap in log space: log min(r, c) = log r + min(0, log c − log r)
+        log_scale = torch.clamp(math.log(clip_ratio_c) - log_ratio.detach(), max=0.0)
+        log_ratio = log_ratio + log_scale
+    value = -advantages.detach() * torch.exp(log_ratio)
+    return torch.where(active, value, torch.zeros_like(value))
 
 
 def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
@@ -52,7 +62,8 @@ def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
     check_tensor("loss_mat", loss_mat, ndim=2)
     check_same(("loss_mat", "response_mask"), loss_mat, response_mask)
     mask = response_mask.to(loss_mat.dtype)
-    masked = loss_mat * mask
+    # select, don't multiply: a padding slot's loss may be inf, and inf·0 = NaN
+    masked = torch.where(response_mask.bool(), loss_mat, torch.zeros_like(loss_mat))
     if mode == "token-mean":
         return masked.sum() / mask.sum().clamp(min=1)
     counts = mask.sum(dim=1)
@@ -91,7 +102,8 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
     stats = token_stats(support, pi, mu_full=mu_full, pi_full=pi_full, compiled=compiled)
     adv = advantages.reshape(-1).to(stats.ratio.dtype)
     resp = response_mask.reshape(-1).bool()
-    keep = compute_mask(cfg, stats, torch.where(resp, adv, torch.zeros_like(adv)), response_mask)
+    adv = torch.where(resp, adv, torch.zeros_like(adv))  # padding carries no advantage
+    keep = compute_mask(cfg, stats, adv, response_mask)
     logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
     mu_logp_k = support.mu_logp_k.to(logp_k.dtype)
     per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, cfg.clip_ratio_c)

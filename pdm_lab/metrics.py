@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 
 def _mean(x: Tensor, where: Tensor) -> Tensor:
-    w = where.to(x.dtype)
-    return (x * w).sum() / w.sum().clamp(min=1)
+    w = where.to(x.dtype)  # select, don't multiply: a padding slot's r may be inf (inf·0 = NaN)
+    return torch.where(where, x, torch.zeros_like(x)).sum() / w.sum().clamp(min=1)
 
 
 def _masked_max(x: Tensor, where: Tensor) -> Tensor:

@@ -33,3 +33,17 @@ def masked_logsumexp(x: Tensor, keep: Tensor, dim: int = -1) -> Tensor:
     """log Σ exp(x) over the entries where `keep` is True; −inf where none is kept."""
     return torch.logsumexp(x.masked_fill(~keep, float("-inf")), dim=dim)
 
+
+
+def rest_logmass(logp: Tensor, tail_logp: Tensor, k_index: Tensor) -> Tensor:
+    """log(1 − p_k) from what is visible: [N, m] log p on S, [N] log p_T, [N] index of k in S.
+
+    Where p_k > ½ (log1mexp's weak side once log p_k has rounded toward 0) it is the
+    log-sum-exp over S∖{k} and the tail (SPEC §8: the rest of the distribution, not 1 − p_k);
+    elsewhere log1mexp(log p_k), which is exact there and keeps tiny binary KLs accurate.
+    Naive equivalent: ``torch.log(1 - p_k)``.
+    """
+    logp_k = logp.gather(1, k_index[:, None])[:, 0]
+    others = logp.scatter(1, k_index[:, None], float("-inf"))
+    rest = torch.logaddexp(torch.logsumexp(others, dim=-1), tail_logp)
+    return torch.where(logp_k > _LOG_HALF, rest, log1mexp(logp_k))

@@ -10,6 +10,7 @@ from .compiled import maybe_compiled
 from .direction import DDOT_ESTIMATORS, TailView, ddot, ddot_head, ddot_interval
 from .divergence import binary_kl, binary_tv, full_kl, topk_kl, topk_tv
 from .errors import PDMInputError, check_same
+from .numerics import rest_logmass
 from .policy_side import PolicyOnSupport, exact_tail_term
 from .support import Support
 
@@ -49,7 +50,9 @@ def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tai
     out = {
         "topk_kl": topk_kl(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, mu=mu),
         "topk_tv": topk_tv(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, mu=mu, pi=pi),
-        "binary_kl": binary_kl(mu_logp_k, pi_logp_k),
+        "binary_kl": binary_kl(mu_logp_k, pi_logp_k,
+                               mu_rest_logp=rest_logmass(mu_logp, mu_tail_logp, k_index),
+                               pi_rest_logp=rest_logmass(pi_logp, pi_tail_logp, k_index)),
         "binary_tv": binary_tv(mu_logp_k, pi_logp_k),
         "log_ratio": log_ratio,
         "ratio": torch.exp(log_ratio),

@@ -398,6 +398,11 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
     if row_mask is not None:
         check_same(("row_mask", "sampled"), row_mask, sampled)
         keep = row_mask.bool()
+    # the sampled token's own top-K entry must carry its log-prob (issue 9; NaN −inf−(−inf) passes)
+    listed = (topk_ids == sampled[:, None]) & (keep[:, None] if keep is not None else True)
+    gap = (topk_logp - sampled_logp[:, None].to(topk_logp.dtype)).abs()
+    raise_at("sampled_logp", listed & (gap > 1e-3 * (1.0 + topk_logp.abs())),
+             "contradicts the sampled token's own top-K entry (topk_logp)", gap)
     inputs = (topk_ids.long(), topk_logp, sampled.long(), sampled_logp, keep)
     math = maybe_compiled(_engine_math, False if topk_ids.shape[0] == 0 else compiled)  # nothing to fuse
     out = math(*inputs, vocab_size, k, convention)

@@ -3,8 +3,12 @@
 A checkpoint ``run_dir/checkpoints/step_00000012`` holds the sharded model and optimiser state
 (DCP: every rank writes its shards; a different world size can load them), one
 ``extra_rank<r>.pt`` per rank (step, data-sampler position, Python/NumPy/torch RNG states) and a
-``COMPLETE`` marker written last. Writes go to ``<name>.tmp`` and are renamed after every rank has
-finished, so a run killed while saving leaves the previous checkpoint as the latest complete one.
+``COMPLETE`` marker written last, holding the SHA-256 of every file. Writes go to ``<name>.tmp``
+and are renamed after every rank has finished, so a run killed while saving leaves the previous
+checkpoint as the latest complete one. On resume the checksums are verified: a damaged
+checkpoint (bytes changed, truncated or emptied shards) is skipped with a warning naming it, and
+the newest intact one is used; an explicitly named damaged checkpoint is a one-line error naming
+the file. Everything is loaded with ``weights_only=True`` (no pickled code runs on resume).
 
 What makes resume exact: the model, the optimiser moments and step counts, the learning-rate
 schedule (a function of the step), the prompt order (``PromptSampler`` state), and sampling seeds
@@ -13,10 +17,12 @@ derived from (run seed, step, prompt) rather than from a running RNG. Multi-node
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +30,10 @@ import torch
 import torch.distributed as dist
 
 COMPLETE = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the path and the damaged file."""
 
 
 def _rank() -> int:
@@ -36,15 +46,57 @@ def _barrier() -> None:
 
 
 def rng_state() -> dict:
-    """Every RNG this process uses."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Every RNG this process uses, as plain types and tensors (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_py = random.getstate()
+    return {"python": [version, list(internal), gauss_py],
+            "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                      float(gauss)],
             "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_py = state["python"]
+    random.setstate((version, tuple(internal), gauss_py))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
+
+
+def file_digests(path: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``path`` (relative names), the marker excluded."""
+    out = {}
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file() and f.name != COMPLETE:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+            out[str(f.relative_to(path))] = h.hexdigest()
+    return out
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if ``path`` is complete and every file matches its checksum, else what is wrong
+    (naming the file). Checkpoints written before checksums existed are only checked complete."""
+    path = Path(path)
+    try:
+        marker = json.loads((path / COMPLETE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"{path}: not a complete checkpoint (no {COMPLETE} marker)"
+    except (OSError, ValueError) as err:
+        return f"{path / COMPLETE}: unreadable marker ({err})"
+    want = marker.get("sha256")
+    if want is None:
+        return None
+    have = file_digests(path)
+    for name, digest in want.items():
+        if name not in have:
+            return f"{path / name}: missing"
+        if have[name] != digest:
+            size = (path / name).stat().st_size
+            return f"{path / name}: checksum mismatch ({size} bytes; damaged, truncated or emptied)"
+    return None
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -69,6 +121,25 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def intact_checkpoint(run_dir: Path, warn=None) -> Path | None:
+    """The newest complete checkpoint whose checksums verify; each damaged newer one is reported
+    through ``warn`` (default: stderr) by name and skipped. Rank 0 verifies, the others follow."""
+    warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    chosen = None
+    if _rank() == 0:
+        for path in reversed(list_complete(run_dir)):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                chosen = str(path)
+                break
+            warn(f"[checkpoint] warning: skipping damaged checkpoint {path}: {problem}")
+    if dist.is_initialized():
+        box = [chosen]
+        dist.broadcast_object_list(box, src=0)
+        chosen = box[0]
+    return Path(chosen) if chosen else None
+
+
 def _states(policy, optimizer):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -90,7 +161,11 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, extra: dict, ke
     _barrier()
     if _rank() == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world}))
+        marker = {"step": step, "world_size": world, "sha256": file_digests(tmp)}
+        with open(tmp / COMPLETE, "w", encoding="utf-8") as fh:  # last, and durable, before the rename
+            json.dump(marker, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -106,13 +181,26 @@ def load_checkpoint(path: Path, policy, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     path = Path(path)
-    if not (path / COMPLETE).exists():
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
+    problem = verify_checkpoint(path) if _rank() == 0 else None
+    if dist.is_initialized():
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise CheckpointError(f"cannot resume: {problem}")
     states = _states(policy, optimizer)
-    dcp.load(states, checkpoint_id=str(path))
+    try:
+        dcp.load(states, checkpoint_id=str(path))
+    except Exception as err:  # noqa: BLE001 - DCP raises many types; the path is what the user needs
+        raise CheckpointError(f"{path}: cannot load the sharded state ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''})") from err
     set_model_state_dict(policy, states["model"])
     set_optimizer_state_dict(policy, optimizer, states["optim"])
     mine = path / f"extra_rank{_rank()}.pt"
     if not mine.exists():  # resumed with more ranks than saved: the global parts are the same
         mine = path / "extra_rank0.pt"
-    return torch.load(mine, weights_only=False)
+    try:
+        return torch.load(mine, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - EOFError, zip errors, unpickling refusals
+        raise CheckpointError(f"{mine}: cannot load ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else 'empty or truncated'})") from err

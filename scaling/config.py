@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pdm_lab.config import ConfigError, MaskConfig, apply_overrides, from_dict, to_dict
+from pdm_lab.config import (ConfigError, MaskConfig, apply_overrides, at_least, config_dataclass, from_dict,
+                            in_range, non_negative, positive, to_dict)
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 TRAIN_DTYPES = ("fp32", "bf16")
@@ -22,57 +23,46 @@ def _check_choice(where: str, value: str, valid: tuple[str, ...]) -> None:
         raise ConfigError(f"{where}: unknown value {value!r}; valid: {', '.join(valid)}")
 
 
-def _check_positive(where: str, value: float | int | None, *, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{where}: must be {'≥' if allow_zero else '>'} 0, got {value}")
-
-
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("model.tiny")
 class TinyModelConfig:
     """A random Qwen3 built locally (CPU tests and the tiny run)."""
 
-    hidden_size: int = 64
+    hidden_size: Annotated[int, at_least(1)] = 64
     """Model width."""
-    num_hidden_layers: int = 2
+    num_hidden_layers: Annotated[int, at_least(1)] = 2
     """Decoder layers."""
-    num_attention_heads: int = 4
+    num_attention_heads: Annotated[int, at_least(1)] = 4
     """Query heads."""
-    num_key_value_heads: int = 2
+    num_key_value_heads: Annotated[int, at_least(1)] = 2
     """KV heads (GQA)."""
-    head_dim: int = 32
+    head_dim: Annotated[int, at_least(1)] = 32
     """Per-head width; vLLM's CPU attention supports 32, 64, 80, ... (not 16)."""
-    intermediate_size: int = 128
+    intermediate_size: Annotated[int, at_least(1)] = 128
     """MLP width."""
-    vocab_size: int = 512
+    vocab_size: Annotated[int, at_least(2)] = 512
     """Tokenizer and embedding size (byte-level BPE trained locally)."""
-    max_position_embeddings: int = 256
+    max_position_embeddings: Annotated[int, at_least(2)] = 256
     """Longest prompt + response."""
-    init_std: float = 0.02
+    init_std: Annotated[float, positive] = 0.02
     """Initialiser standard deviation."""
     tie_word_embeddings: bool = False
     """Share the input embedding with ``lm_head`` (as Qwen3 0.6B/1.7B/4B do); the weight sync
     must then still push ``lm_head.weight``, which vLLM on CPU packs separately."""
     seed: int = 0
     """Seed of the weights and the warm-up batches."""
-    sft_steps: int = 400
+    sft_steps: Annotated[int, at_least(0)] = 400
     """Supervised warm-up steps on the task before RL (0: none; gives LLM-like peaked π)."""
-    sft_lr: float = 3e-3
+    sft_lr: Annotated[float, positive] = 3e-3
     """Warm-up peak learning rate (cosine to 10%)."""
-    sft_batch_size: int = 64
+    sft_batch_size: Annotated[int, at_least(1)] = 64
     """Warm-up batch size."""
-    sft_noise: float = 0.0
+    sft_noise: Annotated[float, in_range(0.0, 1.0, high_open=True)] = 0.0
     """Fraction of warm-up answers with one character replaced at random: the warmed-up policy
     is then right only part of the time at temperature 1 (as a base LLM is), and RL has
     something to sharpen."""
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.sft_noise < 1.0:
-            raise ConfigError(f"model.tiny.sft_noise: must be in [0, 1), got {self.sft_noise}")
 
-
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("model")
 class ModelConfig:
     """The policy: a local Hugging Face directory, or a tiny model built on first use."""
 
@@ -86,25 +76,25 @@ class ModelConfig:
             raise ConfigError("model: set exactly one of model.path (a local directory) or model.tiny")
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("data.synthetic")
 class SyntheticTaskConfig:
     """A synthetic verifiable task written to JSONL in the cache (``scaling/tasks.py``)."""
 
     name: str = "add"
     """Task: add, copy, reverse, sort."""
-    n_train: int = 4000
+    n_train: Annotated[int, at_least(1)] = 4000
     """Training prompts."""
-    n_eval: int = 128
+    n_eval: Annotated[int, at_least(0)] = 128
     """Held-out evaluation prompts (disjoint from training)."""
     seed: int = 1234
     """Seed of the generated prompts."""
-    max_value: int = 100
+    max_value: Annotated[int, at_least(1)] = 100
     """``add``: operands in [0, max_value)."""
-    length: int = 3
+    length: Annotated[int, at_least(1)] = 3
     """copy/reverse/sort: digits per prompt (length − 1 to length)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("data")
 class DataConfig:
     """Prompt files (JSONL or parquet) and how to read a row."""
 
@@ -126,7 +116,7 @@ class DataConfig:
     """prompt_template for the eval files (None: same as prompt_template)."""
     apply_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (add_generation_prompt=True)."""
-    max_prompt_tokens: int = 1024
+    max_prompt_tokens: Annotated[int, at_least(1)] = 1024
     """Longer prompts are dropped at load time (counted and reported)."""
     on_bad_row: str = "error"
     """A row that cannot be read: ``error`` (stop, naming file and line) or ``skip`` (log, count)."""
@@ -150,37 +140,36 @@ class DataConfig:
             self, prompt_key=self.eval_prompt_key or self.prompt_key,
             answer_key=self.eval_answer_key or self.answer_key,
             prompt_template=self.eval_prompt_template or self.prompt_template)
-        _check_positive("data.max_prompt_tokens", self.max_prompt_tokens)
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("rollout")
 class RolloutConfig:
     """The vLLM behaviour policy μ. K (log-probs per token) is ``mask.k``."""
 
-    prompts_per_step: int = 256
+    prompts_per_step: Annotated[int, at_least(1)] = 256
     """Prompts per RL step, over all ranks (paper recipe: 256)."""
-    group_size: int = 16
+    group_size: Annotated[int, at_least(1)] = 16
     """G, samples per prompt (GRPO group; paper recipe: 16)."""
-    temperature: float = 1.0
+    temperature: Annotated[float, positive] = 1.0
     """Sampling temperature; π is computed at the same temperature (SPEC §1)."""
-    top_p: float = 1.0
+    top_p: Annotated[float, in_range(0.0, 1.0, low_open=True)] = 1.0
     """Nucleus sampling (1.0: off). Cut tokens come back as −inf processed log-probs."""
-    top_k: int = -1
+    top_k: Annotated[int, at_least(-1)] = -1
     """Top-k sampling (−1: off)."""
-    max_tokens: int = 8192
+    max_tokens: Annotated[int, at_least(1)] = 8192
     """Response budget."""
     precision: str = "fp32"
     """Weights pushed to vLLM: fp32, bf16, or fp8 (e4m3, block-wise scales)."""
     fp8_mode: str = "simulate"
     """fp8 only: ``simulate`` (quantise-dequantise the pushed weights; any device) or ``native``
     (vLLM's own FP8 kernels, ``quantization="fp8"``; GPU only, untested here)."""
-    fp8_block: int = 128
+    fp8_block: Annotated[int, at_least(1)] = 128
     """fp8 only: block size of the block-wise scales (DeepSeek-V3 style 128×128)."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Annotated[int, at_least(1)] = 1
     """vLLM tensor parallelism inside each data-parallel group (ranks per engine)."""
-    kv_cache_gib: float = 0.25
+    kv_cache_gib: Annotated[float, positive] = 0.25
     """KV-cache memory per engine (CPU needs it set; on GPU ``gpu_memory_utilization`` rules)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: Annotated[float, in_range(0.0, 1.0, low_open=True)] = 0.5
     """GPU only: fraction of device memory vLLM may take (colocated with the trainer)."""
     enforce_eager: bool = True
     """No compilation / CUDA graphs (fast start; CPU needs it for a quick tiny run)."""
@@ -190,9 +179,9 @@ class RolloutConfig:
     repacks every layer each sync but decodes with packed kernels (may pay off on large models)."""
     enable_prefix_caching: bool = False
     """Prefix cache (reset after every weight sync either way)."""
-    max_num_seqs: int = 256
+    max_num_seqs: Annotated[int, at_least(1)] = 256
     """vLLM scheduler batch limit."""
-    max_model_len: int | None = None
+    max_model_len: Annotated[int, at_least(2)] | None = None
     """Context length (default: longest prompt + max_tokens)."""
     seed: int = 0
     """Offset added to the run seed for sampling seeds (per step, per rank, per prompt)."""
@@ -200,38 +189,33 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _check_choice("rollout.precision", self.precision, PRECISIONS)
         _check_choice("rollout.fp8_mode", self.fp8_mode, ("simulate", "native"))
-        for name in ("prompts_per_step", "group_size", "max_tokens", "tensor_parallel_size",
-                     "max_num_seqs", "fp8_block", "temperature", "kv_cache_gib"):
-            _check_positive(f"rollout.{name}", getattr(self, name))
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("trainer")
 class TrainerConfig:
     """FSDP2 trainer and optimiser (one PPO epoch per rollout batch, SPEC §7)."""
 
-    lr: float = 1e-6
+    lr: Annotated[float, positive] = 1e-6
     """AdamW learning rate (paper recipe: 1e-6)."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, non_negative] = 0.0
     """AdamW weight decay."""
-    betas: tuple[float, ...] = (0.9, 0.999)
+    betas: Annotated[tuple[float, ...], in_range(0.0, 1.0, high_open=True)] = (0.9, 0.999)
     """AdamW betas."""
-    eps: float = 1e-8
+    eps: Annotated[float, positive] = 1e-8
     """AdamW epsilon."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, at_least(0)] = 0
     """Linear learning-rate warm-up in optimiser steps."""
-    grad_clip: float | None = 1.0
+    grad_clip: Annotated[float, positive] | None = 1.0
     """Global gradient-norm clip (None: off)."""
-    mini_batches: int = 8
+    mini_batches: Annotated[int, at_least(1)] = 8
     """Optimiser steps per rollout batch (paper recipe: 8); one pass over the data."""
-    micro_batch_size: int = 4
+    micro_batch_size: Annotated[int, at_least(1)] = 4
     """Sequences per forward/backward on each rank (gradient accumulation inside a mini-batch)."""
     param_dtype: str = "fp32"
     """Compute dtype of the trainer (FSDP MixedPrecisionPolicy); master weights stay fp32."""
     reduce_dtype: str = "fp32"
     """Gradient reduce-scatter dtype."""
-    logits_chunk_tokens: int | None = None
+    logits_chunk_tokens: Annotated[int, at_least(1)] | None = None
     """Compute lm_head + π on the support this many tokens at a time, recomputing in backward,
     so no [N, V] logits tensor lives across the step (None: one chunk)."""
     gradient_checkpointing: bool = False
@@ -240,26 +224,21 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check_choice("trainer.param_dtype", self.param_dtype, TRAIN_DTYPES)
         _check_choice("trainer.reduce_dtype", self.reduce_dtype, TRAIN_DTYPES)
-        _check_positive("trainer.lr", self.lr)
-        _check_positive("trainer.mini_batches", self.mini_batches)
-        _check_positive("trainer.micro_batch_size", self.micro_batch_size)
-        _check_positive("trainer.logits_chunk_tokens", self.logits_chunk_tokens)
-        _check_positive("trainer.grad_clip", self.grad_clip)
         if len(self.betas) != 2:
             raise ConfigError(f"trainer.betas: expected two numbers, got {list(self.betas)}")
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("algo")
 class AlgoConfig:
     """Advantages (GRPO group normalisation)."""
 
     norm_by_std: bool = True
     """Divide by the group's standard deviation (GRPO); False: mean-centred only (Dr. GRPO)."""
-    std_eps: float = 1e-6
+    std_eps: Annotated[float, non_negative] = 1e-6
     """Added to the standard deviation."""
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("reward")
 class RewardConfig:
     """The verifier that scores a response against the row's answer."""
 
@@ -272,82 +251,72 @@ class RewardConfig:
         _check_choice("reward.on_error", self.on_error, ("skip", "error"))
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("eval")
 class EvalConfig:
     """Periodic evaluation: avg@k accuracy on the held-out prompts."""
 
-    every: int = 10
+    every: Annotated[int, at_least(0)] = 10
     """Evaluate every this many steps (0: never); also before the first step if ``at_start``."""
-    k: int = 16
+    k: Annotated[int, at_least(1)] = 16
     """Samples per prompt (avg@k; paper: AIME avg@16)."""
-    temperature: float = 1.0
+    temperature: Annotated[float, positive] = 1.0
     """Evaluation sampling temperature."""
-    max_tokens: int | None = None
+    max_tokens: Annotated[int, at_least(1)] | None = None
     """Response budget (default: rollout.max_tokens)."""
-    max_prompts: int | None = None
+    max_prompts: Annotated[int, at_least(1)] | None = None
     """Evaluate only the first this many prompts per set (None: all)."""
     at_start: bool = True
     """Also evaluate the initial policy (step 0)."""
 
-    def __post_init__(self) -> None:
-        _check_positive("eval.every", self.every, allow_zero=True)
-        _check_positive("eval.k", self.k)
 
-
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("checkpoint")
 class CheckpointConfig:
     """torch.distributed.checkpoint snapshots with exact resume."""
 
-    every: int = 10
+    every: Annotated[int, at_least(0)] = 10
     """Save every this many steps (0: only at the end)."""
-    keep_last: int = 2
+    keep_last: Annotated[int, at_least(1)] = 2
     """Complete checkpoints to keep."""
     resume: str = "auto"
     """``auto`` (latest complete checkpoint of run_dir, if any), ``never``, or a checkpoint path."""
 
-    def __post_init__(self) -> None:
-        _check_positive("checkpoint.every", self.every, allow_zero=True)
-        _check_positive("checkpoint.keep_last", self.keep_last)
 
-
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("log")
 class LogConfig:
     """Metrics output (JSONL always, TensorBoard optionally) and the weight-sync check."""
 
     tensorboard: bool = True
     """Also write TensorBoard event files under run_dir/tb."""
-    sync_check_every: int = 10
+    sync_check_every: Annotated[int, at_least(0)] = 10
     """Every this many steps, score a fixed sequence with vLLM after the sync and compare with
     the trainer's log-probs (``sync/logp_max_abs_err``); the run stops with an error naming the
     step when they differ by more than ``sync_check_tol``. Also checked once before the first
     step. 0: only that first check."""
-    sync_check_tol: float | None = None
+    sync_check_tol: Annotated[float, positive] | None = None
     """Largest tolerated max |log μ − log π| (None: 32 ulps of the coarser of the engine and
     trainer dtypes times (1 + max |log π|); off for fp8 rollouts, whose mismatch is intended)."""
-    print_every: int = 1
+    print_every: Annotated[int, at_least(1)] = 1
     """Progress line every this many steps."""
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("launch")
 class LaunchConfig:
     """How ``pdm-lab train`` starts the ranks when not already under torchrun."""
 
-    nproc_per_node: int = 0
+    nproc_per_node: Annotated[int, at_least(0)] = 0
     """Ranks to start on this machine (each holds an FSDP shard and a vLLM engine); 0: one per
     GPU, or one on a CPU host (``distributed.default_ranks``)."""
-    threads_per_rank: int = 0
+    threads_per_rank: Annotated[int, at_least(0)] = 0
     """torch intra-op threads per rank; 0: the cores per rank, capped at one per 256 hidden
     units (``distributed.threads_per_rank``: a tiny model runs fastest on one thread)."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl with CUDA, else gloo), gloo, nccl."""
 
     def __post_init__(self) -> None:
-        _check_positive("launch.nproc_per_node", self.nproc_per_node, allow_zero=True)
-        _check_positive("launch.threads_per_rank", self.threads_per_rank, allow_zero=True)
         _check_choice("launch.backend", self.backend, ("auto", "gloo", "nccl"))
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("provenance")
 class Provenance:
     """Where a promoted configuration came from (written by ``pdm-lab promote``)."""
 
@@ -367,7 +336,7 @@ class Provenance:
     """UTC timestamp."""
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass("")
 class TrainConfig:
     """A full RL run: prompts → vLLM → verifier → GRPO advantages → FSDP2 + PDM loss → sync."""
 
@@ -381,7 +350,7 @@ class TrainConfig:
     """Output directory (metrics, checkpoints, resolved config); default runs/<name>."""
     seed: int = 0
     """Seed of data order, sampling and initialisation of anything random."""
-    total_steps: int = 100
+    total_steps: Annotated[int, at_least(1)] = 100
     """RL steps (one rollout batch each)."""
     plugins: tuple[str, ...] = ()
     """Modules imported before anything else (to register mask rules or verifiers)."""
@@ -407,7 +376,10 @@ class TrainConfig:
     """Set by ``pdm-lab promote``; informational."""
 
     def __post_init__(self) -> None:
-        _check_positive("total_steps", self.total_steps)
+        tiny = self.model.tiny
+        if tiny is not None and self.mask.k > tiny.vocab_size:  # K tokens of a smaller vocabulary
+            raise ConfigError(f"mask.k: {self.mask.k} exceeds the vocabulary (model.tiny.vocab_size = "
+                              f"{tiny.vocab_size})")
 
     @property
     def resolved_run_dir(self) -> Path:

@@ -8,7 +8,9 @@
 
 Already inside torchrun (RANK is set, e.g. a multi-node launch, see ``scaling/README.md``), it
 runs the loop directly. torchrun stays in this process's group: Ctrl-C (or a signal to the
-group) reaches it and every rank together.
+group) reaches it and every rank together. The ranks die with the launcher, even by SIGKILL
+(``lifetime``), and the run directory is locked for the launcher's lifetime: a second
+``pdm-lab train`` on it fails at once, naming the holder (``pdm_lab.locking``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from pdm_lab.config import ConfigError
+from pdm_lab.lifetime import LAUNCHER_ENV, die_with_parent
+from pdm_lab.locking import DirLock
 
 from .config import TrainConfig, save_config
 
@@ -31,12 +37,20 @@ def torchrun_command(config_path: Path, nproc: int) -> list[str]:
 
 
 def preflight(cfg: TrainConfig) -> None:
-    """Fail fast, in one process, on what every rank would fail on: a missing model directory
-    or prompt file. Builds the tiny model and synthetic data once, before the ranks start."""
-    from .assets import check_model_config, data_files, model_dir
+    """Fail fast, in one process, on what every rank would fail on: a missing model directory,
+    a missing, empty or broken prompt file (read with the run's own reader and tokenizer, so the
+    error is one line here rather than a traceback from every rank). Builds the tiny model and
+    synthetic data once, before the ranks start."""
+    from .assets import check_model_config, data_files, load_data, load_tokenizer, model_dir
+    from .data import DataError
 
-    check_model_config(model_dir(cfg))
+    path = model_dir(cfg)
+    check_model_config(path)
     data_files(cfg)
+    train, _, _ = load_data(cfg, load_tokenizer(path), log=lambda *_: None)
+    if len(train) < cfg.rollout.prompts_per_step:
+        raise DataError(f"{len(train)} usable training prompts in {', '.join(map(str, cfg.data.train_files))}"
+                        f", fewer than rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
 
 
 def launch(cfg: TrainConfig, nproc: int | None = None) -> int:
@@ -45,10 +59,23 @@ def launch(cfg: TrainConfig, nproc: int | None = None) -> int:
 
     from .distributed import default_ranks
 
+    if nproc is not None and nproc < 0:
+        raise ConfigError(f"--nproc: must be ≥ 0 (0: the default), got {nproc}")
     nproc = nproc or cfg.launch.nproc_per_node or default_ranks()
     if under_torchrun():
-        run_training(cfg)
+        if os.environ.get("RANK") != "0":
+            run_training(cfg)
+            return 0
+        with DirLock(cfg.resolved_run_dir, what="run directory"):
+            run_training(cfg)
         return 0
+    with DirLock(cfg.resolved_run_dir, what="run directory"):
+        return _launch_locked(cfg, nproc)
+
+
+def _launch_locked(cfg: TrainConfig, nproc: int) -> int:
+    from .loop import run_training
+
     preflight(cfg)
     if nproc == 1:
         run_training(cfg)
@@ -60,7 +87,8 @@ def launch(cfg: TrainConfig, nproc: int | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    proc = subprocess.Popen(torchrun_command(resolved, nproc), env=env)
+    env[LAUNCHER_ENV] = str(os.getpid())  # each rank watches this pid and dies with it
+    proc = subprocess.Popen(torchrun_command(resolved, nproc), env=env, preexec_fn=die_with_parent)
     try:
         return proc.wait()
     except KeyboardInterrupt:  # the terminal sent SIGINT to torchrun too; let it stop its ranks

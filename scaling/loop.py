@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from pdm_lab.advantages import group_advantages
+from pdm_lab.lifetime import guard_rank
 
 from .assets import check_model_config, load_data, load_tokenizer, model_dir, stop_token_ids
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig, save_config
 from .data import PromptSampler
 from .distributed import Layout, all_reduce_max, all_reduce_sum, init_distributed, threads_per_rank
@@ -155,7 +156,7 @@ def run_training(cfg: TrainConfig) -> Path:
     # ---- resume
     start = 0
     resume = cfg.checkpoint.resume
-    ckpt = None if resume == "never" else (latest_checkpoint(run_dir) if resume == "auto" else Path(resume))
+    ckpt = None if resume == "never" else (intact_checkpoint(run_dir, say) if resume == "auto" else Path(resume))
     if ckpt is not None:
         extra = load_checkpoint(ckpt, policy, optimizer)
         sampler.load_state_dict(extra["sampler"])
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    guard_rank()  # die with the launcher, even when it is SIGKILLed (issue 9)
     cfg = load_config(args.config, args.overrides)
     run_training(cfg)
     if torch.distributed.is_initialized():

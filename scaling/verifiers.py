@@ -3,7 +3,9 @@
 * ``math``: the last ``\\boxed{...}`` (or, failing that, the last ``Answer: ...`` line, DAPO's
   format) compared with the reference by normalised string equality, then by exact value with a
   small recursive-descent parser (numbers, + − × ÷ ^, parentheses, ``\\frac``, ``\\sqrt``, π)
-  that builds sympy numbers directly (no ``eval``, no ``sympify`` of text, bounded exponents).
+  that builds sympy numbers directly (no ``eval``, no ``sympify`` of text). Linear in the
+  completion's length with a hard budget per call (see the limits below): an adversarial answer
+  is graded "unparseable" (``grade_math``), never a stall of the rank and its collectives.
 * ``exact``: stripped string equality (the synthetic tasks).
 * ``module:function``: any importable ``fn(response: str, answer: str) -> float``.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,41 +25,97 @@ import sympy
 Verifier = Callable[[str, str], float]
 
 
+# ---------------------------------------------------------------------------- budget
+
+#: Hard limits per call (issue 9): a completion is data from a model, possibly adversarial, and one
+#: stalled verifier call stalls its rank and, through the collectives, every rank.
+MAX_ANSWER_CHARS = 512
+"""Extracted answers longer than this are unparseable (a real final answer is short)."""
+MAX_TOKENS = 200
+"""Tokens in one parsed answer."""
+MAX_BITS = 4096
+"""Bit length cap on every numerator/denominator the parser keeps (about 1233 digits); a power is
+refused *before* it is computed if its result would exceed it, so no intermediate ever exceeds
+2·MAX_BITS (the product of two kept values, refused right after)."""
+MAX_DEPTH = 32
+"""Nesting depth of groups (parentheses, braces, fractions, roots)."""
+MAX_ROOT = 64
+"""Largest root index / exponent denominator: ``\\sqrt[n]{x}`` and ``x^{p/q}`` need n, q ≤ this."""
+TIME_BUDGET_S = 1.0
+"""Wall-clock guard per call: checked between parser steps, so one call never runs away."""
+
+
+class _ParseError(ValueError):
+    pass
+
+
+class _Budget:
+    """Counts parser steps and enforces the wall-clock guard; ``max_bits`` records the largest
+    integer built (for tests bounding the worst case)."""
+
+    def __init__(self, seconds: float = TIME_BUDGET_S):
+        self.deadline = time.monotonic() + seconds
+        self.ops = 0
+        self.max_bits = 0
+
+    def tick(self) -> None:
+        self.ops += 1
+        if time.monotonic() > self.deadline:
+            raise _ParseError("time budget exceeded")
+
+    def check(self, value: sympy.Expr) -> sympy.Expr:
+        """Refuse a rational whose numerator or denominator exceeds ``MAX_BITS``."""
+        if isinstance(value, sympy.Rational):
+            bits = max(int(value.p).bit_length(), int(value.q).bit_length())
+            self.max_bits = max(self.max_bits, bits)
+            if bits > MAX_BITS:
+                raise _ParseError("number too large")
+        elif value.is_number:  # irrational: bound every rational inside it
+            for atom in value.atoms(sympy.Rational):
+                self.check(atom)
+        return value
+
+
 # ---------------------------------------------------------------------------- extraction
 
-def _braced(text: str, start: int) -> tuple[str, int] | None:
-    """Content of the balanced ``{...}`` group opening at ``text[start]``, and the end index."""
-    if start >= len(text) or text[start] != "{":
-        return None
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i], i + 1
-    return None
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+_UNBRACED = re.compile(r"[^\s$]+")
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of each ``{`` → index of its matching ``}``, in one pass (unclosed ones absent)."""
+    stack: list[int] = []
+    match: dict[int, int] = {}
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            match[stack.pop()] = i
+    return match
 
 
 def extract_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (or ``\\boxed 5``), else None."""
-    last = None
-    for m in re.finditer(r"\\(?:boxed|fbox)\s*", text):
-        j = m.end()
-        got = _braced(text, j)
-        if got is not None:
-            last = got[0]
-        else:
-            tail = re.match(r"[^\s$]+", text[j:])
-            if tail:
-                last = tail.group(0)
-    return last
+    """The content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (or ``\\boxed 5``), else None.
+
+    Linear in ``len(text)``: the braces are matched once, then the occurrences are read from
+    the last one backwards (nested or unclosed ``\\boxed{`` ×1e4 used to take quadratic time).
+    """
+    hits = [m.end() for m in _BOX.finditer(text)]
+    if not hits:
+        return None
+    closing = _closing_braces(text)
+    for j in reversed(hits):
+        if j < len(text) and text[j] == "{" and j in closing:
+            return text[j + 1:closing[j]]
+        tail = _UNBRACED.match(text, j)
+        if tail:
+            return tail.group(0)
+    return None
 
 
 def extract_answer_line(text: str) -> str | None:
     """DAPO-Math's format: the text after the last ``Answer:``, up to the end of its line."""
-    hits = re.findall(r"Answer\s*:\s*([^\n]+)", text)
+    hits = re.findall(r"Answer[ \t]*:[ \t]*([^\n]+)", text)
     return hits[-1].strip() if hits else None
 
 
@@ -69,41 +128,57 @@ def extract_final_answer(text: str) -> str | None:
 # ---------------------------------------------------------------------------- normalisation
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|mathrm|mbox|mathbf)\s*\{([^{}]*)\}")
+_TRAILING_UNIT = re.compile(r"(?<=[\d}.])\s*\\(?:text|mathrm|mbox)\s*\{\s*[a-zA-Z]+\s*\}\s*$")
 
 
 def normalize_answer(s: str) -> str:
     """Canonical string form: no $, spacing commands, \\left/\\right, units of degrees, etc."""
     s = s.strip()
+    s = _TRAILING_UNIT.sub("", s)  # "5 \text{ cm}" -> "5": a unit after a number
     s = _TEXT_CMD.sub(r"\1", s)
     for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""),
                      ("\\:", ""), ("\\quad", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                      ("^\\circ", ""), ("^{\\circ}", ""), ("\\circ", ""), ("\\%", ""), ("%", ""),
-                     ("\\$", ""), ("$", ""), ("\\displaystyle", "")):
+                     ("\\$", ""), ("$", ""), ("\\displaystyle", ""), ("{,}", ",")):
         s = s.replace(old, new)
     s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)  # "x = 5" -> "5"
     s = s.replace(" ", "").rstrip(".")
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # thousands separators
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # thousands separators (also 1{,}000)
         s = s.replace(",", "")
     return s.lower()
 
 
 # ---------------------------------------------------------------------------- safe value parser
 
-class _ParseError(ValueError):
-    pass
+_TOKEN = re.compile(r"\s*(\d+(?:\.\d*)?[eE][-+]?\d+|\.\d+[eE][-+]?\d+|\d+\.\d*|\.\d+|\d+"
+                    r"|\\frac|\\sqrt|\\pi|\\cdot|\\times|\\div|[-+*/^(){}\[\]]|pi)")
+_SCI = re.compile(r"([\d.]+)[eE]([-+]?\d+)")
 
 
-_TOKEN = re.compile(r"\s*(\d+\.\d*|\.\d+|\d+|\\frac|\\sqrt|\\pi|\\cdot|\\times|\\div|[-+*/^(){}\[\]]|pi)")
-MAX_EXPONENT = 64
-MAX_TOKENS = 200
+def _rational(tok: str) -> sympy.Rational:
+    """A decimal or scientific literal as an exact rational, its size bounded *before* it is built."""
+    m = _SCI.fullmatch(tok)
+    if m is None:
+        if len(tok) > MAX_BITS // 3:
+            raise _ParseError("number too long")
+        return sympy.Rational(tok)
+    mantissa, exp = m.group(1), int(m.group(2))
+    if abs(exp) * 3.33 + len(mantissa) * 3.33 > MAX_BITS:  # 10^exp needs ~3.32·exp bits
+        raise _ParseError("number too large")
+    return sympy.Rational(mantissa) * sympy.Integer(10) ** exp
 
 
 class _Parser:
     """expr := term (('+'|'-') term)*; term := factor (('*'|'/'|implicit) factor)*;
     factor := ('+'|'-') factor | power; power := atom ('^' factor)?;
-    atom := number | π | '(' expr ')' | '{' expr '}' | \\frac{expr}{expr} | \\sqrt[n]{expr}."""
+    atom := number | π | '(' expr ')' | '{' expr '}' | \\frac{expr}{expr} | \\sqrt[n]{expr}.
 
-    def __init__(self, text: str):
+    Every value built passes ``_Budget.check`` (bit-length caps); a power is computed only when
+    its result fits (exponent bounded by the *result's* size, not by a fixed constant).
+    """
+
+    def __init__(self, text: str, budget: _Budget):
+        self.budget = budget
         self.toks: list[str] = []
         pos = 0
         text = text.strip()
@@ -116,11 +191,13 @@ class _Parser:
             if len(self.toks) > MAX_TOKENS:
                 raise _ParseError("too long")
         self.i = 0
+        self.depth = 0
 
     def peek(self) -> str | None:
         return self.toks[self.i] if self.i < len(self.toks) else None
 
     def take(self, want: str | None = None) -> str:
+        self.budget.tick()
         tok = self.peek()
         if tok is None or (want is not None and tok != want):
             raise _ParseError(f"expected {want!r}, got {tok!r}")
@@ -138,7 +215,7 @@ class _Parser:
         while self.peek() in ("+", "-"):
             op = self.take()
             rhs = self.term()
-            value = value + rhs if op == "+" else value - rhs
+            value = self.budget.check(value + rhs if op == "+" else value - rhs)
         return value
 
     def term(self) -> sympy.Expr:
@@ -158,6 +235,7 @@ class _Parser:
                 value = value * self.factor()  # implicit product: 2\pi, 3\sqrt{2}
             else:
                 return value
+            self.budget.check(value)
 
     def factor(self) -> sympy.Expr:
         if self.peek() in ("+", "-"):
@@ -170,16 +248,37 @@ class _Parser:
         base = self.atom()
         if self.peek() == "^":
             self.take()
-            exp = self.factor()
-            if not (exp.is_number and abs(float(exp)) <= MAX_EXPONENT):
-                raise _ParseError("exponent too large")
-            return base ** exp
+            return self._pow(base, self.factor())
         return base
 
+    def _pow(self, base: sympy.Expr, exp: sympy.Expr) -> sympy.Expr:
+        """base^exp for a rational exponent p/q (q ≤ MAX_ROOT) whose result fits the bit cap."""
+        if not isinstance(exp, sympy.Rational) or exp.q > MAX_ROOT:
+            raise _ParseError("exponent must be a rational p/q with a small q")
+        if base == 0 and exp < 0:
+            raise _ParseError("division by zero")
+        p = abs(int(exp.p))
+        # the result's size is about p × the bits of the base's largest rational (sympy folds
+        # (√n)^p into n^{p/2}); π and friends count as 8 bits
+        size = max((max(int(r.p).bit_length(), int(r.q).bit_length()) for r in base.atoms(sympy.Rational)),
+                   default=8)
+        if p * max(size, 1) > MAX_BITS:  # the result would not fit: refuse before computing it
+            raise _ParseError("power too large")
+        return self.budget.check(base ** exp)
+
     def atom(self) -> sympy.Expr:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise _ParseError("nested too deeply")
+        try:
+            return self._atom()
+        finally:
+            self.depth -= 1
+
+    def _atom(self) -> sympy.Expr:
         tok = self.take()
         if tok[0].isdigit() or tok[0] == ".":
-            return sympy.Rational(tok)
+            return self.budget.check(_rational(tok))
         if tok in ("\\pi", "pi"):
             return sympy.pi
         if tok in ("(", "{"):
@@ -191,14 +290,16 @@ class _Parser:
             den = self._group()
             if den == 0:
                 raise _ParseError("division by zero")
-            return num / den
+            return self.budget.check(num / den)
         if tok == "\\sqrt":
             index = sympy.Integer(2)
             if self.peek() == "[":
                 self.take("[")
                 index = self.expr()
                 self.take("]")
-            return sympy.root(self._group(), index)
+            if not (isinstance(index, sympy.Integer) and 1 <= index <= MAX_ROOT):
+                raise _ParseError(f"root index must be an integer in [1, {MAX_ROOT}]")
+            return self._pow(self._group(), sympy.Rational(1, int(index)))
         raise _ParseError(f"unexpected {tok!r}")
 
     def _group(self) -> sympy.Expr:
@@ -216,30 +317,53 @@ class _Parser:
         raise _ParseError(f"expected a group, got {tok!r}")
 
 
-def parse_value(s: str) -> sympy.Expr | None:
-    """Exact value of a simple numeric expression (LaTeX or plain), or None if not one."""
+def parse_value(s: str, budget: _Budget | None = None) -> sympy.Expr | None:
+    """Exact value of a simple numeric expression (LaTeX or plain), or None if unparseable
+    (not one, too long, too large, or over the time budget)."""
+    if len(s) > MAX_ANSWER_CHARS:
+        return None
+    budget = budget or _Budget()
     try:
-        value = _Parser(s).parse()
-    except (_ParseError, ValueError, TypeError, ZeroDivisionError, OverflowError):
+        value = _Parser(s, budget).parse()
+    except (_ParseError, ValueError, TypeError, ZeroDivisionError, OverflowError, RecursionError):
         return None
     return value if value.is_number else None
 
 
-def math_equal(pred: str, ref: str) -> bool:
-    """Normalised string equality, else equal exact values (within 1e-9 relative if irrational)."""
+#: Relative tolerance for irrational values, compared at ``_DIGITS`` significant digits. Tight
+#: on purpose: with roots limited to index ≤ MAX_ROOT, distinct answers differ far above it, and a
+#: loose 1e-9 made ``\sqrt[10^{64}]{2}`` equal to 1.
+_DIGITS = 60
+_REL_TOL = 1e-40
+
+
+def grade_math(pred: str, ref: str) -> str:
+    """``"equal"``, ``"unequal"``, or ``"unparseable"`` (a value could not be read within the
+    budget). Normalised string equality first, then exact values."""
+    if len(pred) > 4 * MAX_ANSWER_CHARS or len(ref) > 4 * MAX_ANSWER_CHARS:
+        return "unparseable"  # no real final answer is this long; normalising it is wasted work
     a, b = normalize_answer(pred), normalize_answer(ref)
     if a == b:
-        return True
-    va, vb = parse_value(a), parse_value(b)
+        return "equal"
+    budget = _Budget()
+    va, vb = parse_value(a, budget), parse_value(b, budget)
     if va is None or vb is None:
-        return False
+        return "unparseable"
     try:
         if va.is_rational and vb.is_rational:
-            return bool(va == vb)
-        fa, fb = complex(va.evalf(30)), complex(vb.evalf(30))
-    except (TypeError, ValueError, OverflowError):
-        return False
-    return abs(fa - fb) <= 1e-9 * max(1.0, abs(fb))
+            return "equal" if va == vb else "unequal"
+        budget.tick()
+        fa, fb = va.evalf(_DIGITS), vb.evalf(_DIGITS)
+        budget.tick()
+        scale = max(abs(fb), sympy.Integer(1))
+        return "equal" if abs(fa - fb) <= _REL_TOL * scale else "unequal"
+    except (_ParseError, TypeError, ValueError, OverflowError):
+        return "unparseable"
+
+
+def math_equal(pred: str, ref: str) -> bool:
+    """Normalised string equality, else equal exact values (irrational: within 1e-40 relative)."""
+    return grade_math(pred, ref) == "equal"
 
 
 # ---------------------------------------------------------------------------- verifiers

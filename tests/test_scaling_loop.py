@@ -4,8 +4,10 @@ with ``python -m pdm_lab train`` as a user would. Nothing is mocked.
 * an uninterrupted 5-step run: after every weight sync vLLM's log-probs of a fixed sequence match
   the trainer's (fp32), the realised rollout/trainer mismatch is ~0, the mask rule called is the
   registry's (a plugin-registered counting rule), a raising verifier skips samples and says so;
-* the same run killed with SIGKILL after step 3 and restarted: it resumes from its last
-  checkpoint, no step is lost or repeated, and every metric equals the uninterrupted run's;
+* the same run with its launcher's process group SIGKILLed while a checkpoint is being written:
+  no rank survives (they are in other sessions and must die with the launcher), the restart
+  resumes from the last consistent checkpoint, no step is lost or repeated, every metric equals
+  the uninterrupted run's, and a second launcher on the held run directory fails in one line;
 * an FP8 rollout with vLLM tensor parallelism over both ranks: the realised mismatch is logged
   and is no longer ~0;
 * a bf16 engine checked against an fp32 tolerance: the sync check stops the run before step 1.
@@ -90,22 +92,6 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher, torchrun and every rank at once (torchrun starts its workers in
-    their own sessions, so a process-group kill would miss them), as a machine failure would."""
-    import psutil
-
-    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    for pid in reversed(victims):  # the ranks first, so that no parent gets to react
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    psutil.wait_procs([p for p in map(_proc, victims) if p is not None], timeout=30)
-    assert not [pid for pid in victims if _alive(pid)], "a rank survived SIGKILL"
-
-
 def _proc(pid: int):
     import psutil
 
@@ -159,32 +145,59 @@ def test_end_to_end_run(uninterrupted, env):
     print(f"uninterrupted 5-step run: {uninterrupted['seconds']:.1f}s")
 
 
-def test_sigkill_and_resume_is_exact(uninterrupted, env):
+def _saving(run_dir: Path, step: int) -> bool:
+    """Checkpoint ``step`` is being written: its ``.tmp`` folder exists (renamed when complete)."""
+    return (run_dir / "checkpoints" / f"step_{step:08d}.tmp").exists()
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def test_sigkill_launcher_mid_save_leaves_no_rank_and_resume_is_exact(uninterrupted, env):
+    """Chaos (issue 9): SIGKILL only the launcher's process group while a checkpoint is being
+    written. torchrun starts its workers in their own sessions, so the signal does not reach
+    them: they must die with the launcher (parent-death signal / watchdog) within a bounded wait,
+    and the restart must resume from a consistent checkpoint with the uninterrupted metrics."""
+    import psutil
+
     run_dir = env["root"] / "run_b"
     e = dict(env["env"], PDM_TEST_MASK_LOG=str(env["root"] / "b.masklog"))
     log = open(env["root"] / "b1.log", "w")
     proc = subprocess.Popen(train_cmd(env, run_dir), env=e, cwd=env["root"], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    path = run_dir / "metrics.jsonl"
+                            stderr=subprocess.STDOUT, start_new_session=True)  # its own group
     deadline = time.time() + 400
     try:
-        while time.time() < deadline:
-            if path.exists() and any(json.loads(x).get("step") == 3 for x in path.read_text().splitlines()
-                                     if x.strip().endswith("}")):
-                break
+        while not _saving(run_dir, 4):  # the second save: step 2's checkpoint is the consistent one
             assert proc.poll() is None, (env["root"] / "b1.log").read_text()[-3000:]
-            time.sleep(0.02)
-        else:
-            pytest.fail("the run never reached step 3")
+            assert time.time() < deadline, "no checkpoint save was ever seen"
+            time.sleep(0.002)
+        ranks = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and torchrun; not the ranks' sessions
+        killed_mid_save = _saving(run_dir, 4)
     finally:
-        kill_tree(proc)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         log.close()
+    t_kill = time.perf_counter()
+    survivors = _wait_gone(ranks, timeout=30)
+    print(f"launcher group SIGKILLed mid-save of step 4: {len(ranks)} descendants, "
+          f"{len(survivors)} alive after {time.perf_counter() - t_kill:.2f}s")
+    for pid in survivors:  # leave nothing behind for the next test, then fail
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"ranks {survivors} outlived their launcher"
+    assert len(ranks) >= 3  # torchrun's agent and both ranks were there to die
+    assert killed_mid_save, "the kill landed after the save had finished"
     done_before = {r["step"] for r in metrics(run_dir)}
     assert 5 not in done_before, "the run finished before it could be killed"
     resumed = run(env, run_dir, "b2")
     assert "resumed from" in resumed and "at step " in resumed
     at = int(resumed.split("at step ")[1].split()[0])
-    assert 2 <= at < 5
+    assert at == 2  # the torn step-4 save was ignored
     recs = metrics(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2, 3, 4, 5]  # nothing lost, nothing repeated
     for a, b in zip(uninterrupted["records"], recs):
@@ -194,6 +207,20 @@ def test_sigkill_and_resume_is_exact(uninterrupted, env):
             va, vb = sa[key], sb[key]
             assert va == vb or (va is not None and vb is not None
                                 and abs(va - vb) <= 1e-6 * max(1.0, abs(va))), (a["step"], key, va, vb)
+    # the run directory is locked while a run holds it: a second launcher fails at once
+    holder = subprocess.Popen(train_cmd(env, run_dir, ["total_steps=6"]), env=e, cwd=env["root"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        lock = run_dir / ".pdm_lab.lock"
+        while holder.poll() is None and not (lock.exists() and str(holder.pid) in lock.read_text()):
+            time.sleep(0.05)
+        second = subprocess.run(train_cmd(env, run_dir, ["total_steps=6"]), env=e, cwd=env["root"],
+                                capture_output=True, text=True, timeout=300)
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+    err = [ln for ln in second.stderr.splitlines() if ln.strip()]
+    assert second.returncode == 2 and len(err) == 1 and f"in use by pid {holder.pid}" in err[0], err
 
 
 def test_fp8_rollout_with_tensor_parallel_engines(env):
