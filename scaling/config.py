@@ -11,15 +11,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from pdm_lab.config import ConfigError, MaskConfig, apply_overrides, from_dict, to_dict
+from pdm_lab.config import ConfigError, MaskConfig, apply_overrides, from_dict, one_of, to_dict
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 TRAIN_DTYPES = ("fp32", "bf16")
-
-
-def _check_choice(where: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ConfigError(f"{where}: unknown value {value!r}; valid: {', '.join(valid)}")
 
 
 def _check_positive(where: str, value: float | int | None, *, allow_zero: bool = False) -> None:
@@ -133,7 +128,7 @@ class DataConfig:
     """Generate a synthetic task instead of reading train_files/eval_files."""
 
     def __post_init__(self) -> None:
-        _check_choice("data.on_bad_row", self.on_bad_row, ("error", "skip"))
+        one_of("data.on_bad_row", self.on_bad_row, ("error", "skip"))
         if self.synthetic is None and not self.train_files:
             raise ConfigError("data: give data.train_files or data.synthetic")
         for name in ("prompt_template", "eval_prompt_template"):
@@ -191,8 +186,8 @@ class RolloutConfig:
     """Offset added to the run seed for sampling seeds (per step, per rank, per prompt)."""
 
     def __post_init__(self) -> None:
-        _check_choice("rollout.precision", self.precision, PRECISIONS)
-        _check_choice("rollout.fp8_mode", self.fp8_mode, ("simulate", "native"))
+        one_of("rollout.precision", self.precision, PRECISIONS)
+        one_of("rollout.fp8_mode", self.fp8_mode, ("simulate", "native"))
         for name in ("prompts_per_step", "group_size", "max_tokens", "tensor_parallel_size",
                      "max_num_seqs", "fp8_block", "temperature", "kv_cache_gib"):
             _check_positive(f"rollout.{name}", getattr(self, name))
@@ -231,8 +226,8 @@ class TrainerConfig:
     """Recompute decoder layers in backward."""
 
     def __post_init__(self) -> None:
-        _check_choice("trainer.param_dtype", self.param_dtype, TRAIN_DTYPES)
-        _check_choice("trainer.reduce_dtype", self.reduce_dtype, TRAIN_DTYPES)
+        one_of("trainer.param_dtype", self.param_dtype, TRAIN_DTYPES)
+        one_of("trainer.reduce_dtype", self.reduce_dtype, TRAIN_DTYPES)
         _check_positive("trainer.lr", self.lr)
         _check_positive("trainer.mini_batches", self.mini_batches)
         _check_positive("trainer.micro_batch_size", self.micro_batch_size)
@@ -262,7 +257,7 @@ class RewardConfig:
     """If the verifier raises: ``skip`` (sample leaves the loss, logged) or ``error`` (stop)."""
 
     def __post_init__(self) -> None:
-        _check_choice("reward.on_error", self.on_error, ("skip", "error"))
+        one_of("reward.on_error", self.on_error, ("skip", "error"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +322,7 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         _check_positive("launch.nproc_per_node", self.nproc_per_node)
-        _check_choice("launch.backend", self.backend, ("auto", "gloo", "nccl"))
+        one_of("launch.backend", self.backend, ("auto", "gloo", "nccl"))
 
 
 @dataclasses.dataclass(frozen=True)
