@@ -109,6 +109,11 @@ def is_collapsed(curve: list[float], final: float, *, drop: float, nonfinite: bo
     return gain > 0.05 and final < best - drop * gain
 
 
+def _total(sums: MetricSums, key: str) -> int:
+    """The Σ behind a count-valued metric (0 when nothing was measured)."""
+    return int(sums[key].value) if key in sums else 0
+
+
 def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None) -> dict:
     """Run GRPO; append one JSON line of metrics per step to ``log_path``.
 
@@ -186,7 +191,9 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
         "collapsed": is_collapsed(curve, final_reward, drop=cfg.collapse_drop, nonfinite=nonfinite),
         "nonfinite": nonfinite,
         **{column: final.get(key, nan) for column, key in SUMMARY_KEYS.items()},
-        "unsafe_keep_count": int(run_sums["audit/considered"].value) if "audit/considered" in run_sums else 0,
+        "unsafe_keep_count": _total(run_sums, "audit/considered"),
+        "unsafe_count": _total(run_sums, "audit/unsafe_keep"),
+        "shrink_count": _total(run_sums, "audit/shrink"),
         "curve": curve,
         "steps_done": len(curve),
         "wall_s": time.perf_counter() - start,

@@ -77,6 +77,10 @@ class SweepRow:
     unsafe_keep: float
     shrink: float
     unsafe_keep_count: int
+    """kept outside tokens whose ΔD was measured (the denominator of ``unsafe_keep``, ``shrink``)."""
+    unsafe_count: int
+    """of those, how many grew D (``unsafe_keep`` = unsafe_count / unsafe_keep_count)."""
+    shrink_count: int
     wall_s: float
     schema_version: int = SCHEMA_VERSION
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pdm_lab.config import MaskConfig, from_dict
-from pdm_lab.results import ResultsError, SweepRow, cell_path, read_results
+from pdm_lab.results import COLUMNS, ResultsError, SweepRow, cell_path, read_results
 
 from .config import Provenance, load_config, save_config
 
@@ -162,11 +162,12 @@ def promote(sweep_dir: Path, base: Path, out: Path, *, criterion: str = "reward"
     metrics: dict[str, Any] = {"seeds": best.seeds, "collapsed_any": best.collapsed,
                                "cells_total": len(cells),
                                "cells_collapsed": sum(c.collapsed for c in cells)}
+    outcomes = COLUMNS[COLUMNS.index("initial_reward"):]  # the rest describes the cell
     for f in dataclasses.fields(SweepRow):
         if f.name in ("seed", "cell_id", "schema_version") or f.name in ROW_MASK_FIELDS:
             continue
         values = [getattr(r, f.name) for r in best.rows]
-        if f.type in ("float", "int"):
+        if f.name in outcomes and f.type in ("float", "int"):
             mean = best.mean(f.name)
             metrics[f"{f.name}_mean"] = mean if math.isfinite(mean) else None  # None: n/a
         elif len(set(values)) == 1:
