@@ -135,8 +135,10 @@ def as_mismatch(sums: Mapping[str, Metric]) -> MetricSums:
 
 def all_reduce_metrics(sums: Mapping[str, Metric], group=None) -> MetricSums:
     """``merge_metrics`` across the ranks of ``group``, in three collectives whatever the keys:
-    one SUM of every Σ and count, one MAX and one MIN. Every rank must hold the same keys (a
-    checksum of the key set rides along and a mismatch raises). Identity outside a process group."""
+    one SUM of every Σ and count, one MAX and one MIN. Every rank must hold the same keys
+    (``step_metric_sums`` guarantees it): a checksum of the key set rides along, so different
+    keys of equal count raise; a different count is a collective size mismatch the backend
+    reports. Identity outside a process group."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
