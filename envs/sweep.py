@@ -20,12 +20,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from pdm_lab.config import ConfigError, MaskConfig, from_dict, to_dict
+from pdm_lab.config import ConfigError, from_dict, to_dict
 from pdm_lab.masks import get_mask_rule
 from pdm_lab.results import COLUMNS, SweepRow, cell_path, row_from_dict, write_results
 
 from .mismatch import Mismatch
-from .records import plain, read_jsonl, write_json_atomic
+from .records import read_jsonl, write_json_atomic
 from .train import TrainConfig, train
 
 @dataclass(frozen=True)
