@@ -128,6 +128,8 @@ def audit_main(args: argparse.Namespace) -> int:
 
 
 def sweep_main(args: argparse.Namespace) -> int:
+    from pdm_lab.results import ResultsError
+
     from .executors import make_executor
     from .pipeline import sweep_to_dir
     from .presets import AUDIT_PRESETS, SWEEP_PRESETS, preset
@@ -137,7 +139,10 @@ def sweep_main(args: argparse.Namespace) -> int:
     run_audit_too = args.audit if args.audit is not None else args.preset == "quick"
     audit = preset(AUDIT_PRESETS, args.preset) if run_audit_too else None
     executor = make_executor(args.executor, args.workers, args.ray_address)
-    status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet)
+    try:
+        status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet)
+    except ResultsError as err:
+        raise SystemExit(f"pdm-lab sweep: error: {err}") from None
     print(f"{status['ran']} runs now, {status['skipped']} reused, {status['runs']}/{status['total']} done "
           f"in {status['wall_s']:.1f} s")
     print(f"report: {status['report']}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pdm_lab.config import ConfigError, from_dict, to_dict
 from pdm_lab.masks import get_mask_rule
-from pdm_lab.results import COLUMNS, SweepRow, cell_path, row_from_dict, write_results
+from pdm_lab.results import COLUMNS, ResultsError, SweepRow, cell_path, row_from_dict, write_results
 
 from .mismatch import Mismatch
 from .records import read_jsonl, write_json_atomic
@@ -206,8 +206,12 @@ def load_runs(cfg: SweepConfig, out: str | Path) -> list[dict]:
 def write_table(cfg: SweepConfig, out: str | Path) -> list[SweepRow]:
     """results.csv and results.json (``pdm_lab.results``): one typed row per finished cell × seed."""
     out = Path(out)
-    return write_results(out, [row_from_dict(run["row"], f"{run_path(out, run['row']['cell_id'], run['row']['seed'])}")
-                               for run in load_runs(cfg, out)])
+    try:
+        rows = [row_from_dict(run["row"], str(run_path(out, run["row"]["cell_id"], run["row"]["seed"])))
+                for run in load_runs(cfg, out)]
+    except ResultsError as err:  # a run stored by an older pdm_lab (another schema)
+        raise ResultsError(f"{err} (stored by another pdm_lab version: use a new --out)") from None
+    return write_results(out, rows)
 
 
 def step_log(out: str | Path, cid: str, seed: int) -> list[dict]:
