@@ -58,9 +58,10 @@ def mean_of(x: Tensor, where: Tensor) -> Metric:
 
 def _extreme_of(reduce: str, x: Tensor, where: Tensor) -> Metric:
     filled = x.to(torch.float64).masked_fill(~where.bool(), _IDENTITY[reduce])
-    value = filled.max() if reduce == "max" else filled.min()
-    if filled.numel() == 0:
-        value = _f64(_IDENTITY[reduce])
+    if filled.numel() == 0:  # an empty batch: the identity, count 0
+        value = _f64(_IDENTITY[reduce]).to(filled.device)
+    else:
+        value = filled.max() if reduce == "max" else filled.min()
     return Metric(reduce, value, where.to(torch.float64).sum())
 
 
