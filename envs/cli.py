@@ -13,6 +13,7 @@ Each command is one ``register_<name>(subparsers)`` function, declared as an ent
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from pdm_lab.config import ConfigError, apply_overrides, from_dict, to_dict
@@ -62,7 +63,8 @@ def _config_or_exit(presets: dict, args: argparse.Namespace, command: str):
     try:
         return build_config(presets, args)
     except (ConfigError, OSError) as err:
-        raise SystemExit(f"pdm-lab {command}: error: {err}") from None
+        print(f"pdm-lab {command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def register_audit(subparsers) -> None:
