@@ -58,7 +58,10 @@ def cmd_promote(args: argparse.Namespace) -> int:
                 tie_tol=args.tie_tol, keep_base_aggregation=args.keep_base_aggregation)
         if args.target != "pdm":
             from pdm_lab.integrations.launch_files import write_launch_file
-            print(f"[promote] {args.target} launch file → {write_launch_file(args.target, run_config, out)}")
+
+            from .config import load_config
+            path = write_launch_file(args.target, load_config(run_config), out)
+            print(f"[promote] {args.target} launch file → {path}")
     except (ResultsError, ConfigError, OSError, ValueError) as err:
         return _fail(str(err))
     return 0

@@ -94,7 +94,10 @@ def full_mask(sweep_dir: Path, cell: Cell, log=print) -> dict:
     path = cell_path(sweep_dir, cell.cell_id, "config.json")
     if not path.is_file():
         log(f"[promote] {path}: missing; the mask comes from the results rows")
-        return _finite_mask(f"{sweep_dir} cell {cell.cell_id}", dict(cell.mask))
+        mask = dict(cell.mask)
+        if mask["estimator"] == MaskConfig(rule=mask["rule"]).direction_estimator:
+            del mask["estimator"]  # the rule's own: leave MaskConfig.estimator at None
+        return _finite_mask(f"{sweep_dir} cell {cell.cell_id}", mask)
     doc = _read_json(path)
     mask = doc.get("mask") if isinstance(doc, dict) else None
     if not isinstance(mask, dict):

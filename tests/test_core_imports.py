@@ -15,8 +15,12 @@ STAGES = ("pdm_lab.envs", "pdm_lab.scaling", "pdm_lab.proofs")
 def modules() -> dict[str, Path]:
     out = {}
     for folder, package in FOLDERS.items():
-        for path in sorted((REPO / folder).glob("*.py")):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            if parts[0] in ("envs", "scaling", "proofs") and folder == "pdm_lab":
+                continue  # not a real subfolder of the core (the stages live at the top level)
+            name = ".".join((package, *parts))
+            out[name.removesuffix(".__init__")] = path
     return out
 
 
@@ -29,7 +33,7 @@ def stage_of(module: str) -> str:
 
 def imports_of(module: str, path: Path) -> set[str]:
     """Every project module ``module`` imports (``from pkg import sub`` counts as ``pkg.sub``)."""
-    package = module if path.stem == "__init__" else module.rsplit(".", 1)[0]
+    package = module if path.stem == "__init__" else module.rsplit(".", 1)[0]  # what `.` means here
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):

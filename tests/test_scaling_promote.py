@@ -67,7 +67,8 @@ def test_promote_from_json_writes_a_runnable_config(tmp_path):
     prov = promote(sweep, BASE, out, log=lambda *_: None)
     cfg = load_config(out)  # the written file loads with the same schema
     base = load_config(BASE)
-    assert cfg.mask == MaskConfig(rule="pdm_uniform", delta=0.05, k=20, convention="union", estimator="uniform")
+    assert cfg.mask == MaskConfig(rule="pdm_uniform", delta=0.05, k=20, convention="union")  # own estimator
+    assert cfg.mask.direction_estimator == "uniform"
     assert cfg.rollout == base.rollout and cfg.trainer == base.trainer and cfg.model == base.model
     assert cfg.provenance.cell_id == "c_pdm_b" and cfg.provenance.sweep_dir == str(sweep)
     m = cfg.provenance.metrics
