@@ -6,7 +6,7 @@ from typing import Annotated
 import torch
 from torch import Tensor
 
-from pdm_lab.config import at_least, config_dataclass, non_negative  # field checks
+from pdm_lab.config import ConfigError, at_least, config_dataclass, non_negative, one_of  # field checks
 
 from .prior import zipf_logits
 
@@ -38,12 +38,11 @@ class BanditConfig:
     """seed of the prompts' initial logits and reward tables."""
 
     def __post_init__(self) -> None:
-        if self.reward not in REWARD_KINDS:
-            raise ValueError(f"reward: unknown {self.reward!r}; valid: {', '.join(REWARD_KINDS)}")
+        one_of("bandit.reward", self.reward, REWARD_KINDS)
         if self.temperature <= 0 or self.temperature_spread < 1:
-            raise ValueError("temperature must be > 0 and temperature_spread ≥ 1")
+            raise ConfigError("bandit: temperature must be > 0 and temperature_spread ≥ 1")
         if not 1 <= self.correct_rank * max(1, self.num_correct) <= self.vocab_size:
-            raise ValueError("correct_rank × num_correct must fit in the vocabulary")
+            raise ConfigError("bandit: correct_rank × num_correct must fit in the vocabulary")
 
 
 class SoftmaxBandit:

@@ -1,105 +1,57 @@
 """``pdm-lab audit`` and ``pdm-lab sweep``: thin command lines over ``pipeline``.
 
-Both start from a preset (``quick`` or ``paper``), optionally a YAML file (``--config``, the
-preset's fields as keys), then individual flags override single fields.
+A config is built in layers: a preset (``--preset quick|paper``), then a YAML file with the same
+keys (``--config``), then ``key.path=value`` overrides (YAML values), as ``pdm-lab train`` does::
+
+    pdm-lab sweep --preset quick rules=[dppo_topk_kl,pdm_topk] mismatches=[none,noise:1] \\
+        deltas=[0.05,0.15] base.steps=20 base.problem.kind=token_mdp --seeds 4
+    pdm-lab audit --preset quick sequences=256 k_sweep=[] single_token=false
+
+Each command is one ``register_<name>(subparsers)`` function, declared as an entry point in
+``pyproject.toml`` (group ``pdm_lab.commands``) and found by the ``pdm-lab`` CLI.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
-from pdm_lab.config import from_dict, to_dict
+from pdm_lab.config import ConfigError, apply_overrides, from_dict, to_dict
 
-from .audit import AuditConfig
-from .executors import EXECUTORS, make_executor
-from .mismatch import MISMATCH_KINDS
-from .presets import AUDIT_PRESETS, SWEEP_PRESETS, preset
-from .problems import PROBLEM_KINDS
-from .sweep import SweepConfig
+OVERRIDES_HELP = "key.path=value overrides of the config's fields (YAML values: rules=[a,b] base.steps=3)"
 
 
-def register(subparsers) -> None:
-    """Add the ``audit`` and ``sweep`` subcommands to the ``pdm-lab`` parser."""
-    audit = subparsers.add_parser(
-        "audit", help="direction audit (SPEC §6): unsafe-keep of two rules over seeds, with CI and sign test",
-        description="One optimiser step per rule from the same parameters on the same batch; over tokens "
-                    "outside the region where two rules disagree, how often each rule's kept tokens grew D. "
-                    "Writes audit.json, audit.md and figures.")
-    audit.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS),
-                       help="starting configuration (default: paper = 61 seeds × 1024 sequences, token MDP, neural policy; quick = 16 seeds on the bandit)")
-    audit.add_argument("--config", type=Path, help="YAML file with AuditConfig fields")
-    audit.add_argument("--out", type=Path, default=None, help="output folder (default: runs/audit-<preset>)")
-    audit.add_argument("--problem", choices=PROBLEM_KINDS, help="bandit or token_mdp")
-    audit.add_argument("--policy", choices=("tabular", "neural"))
-    audit.add_argument("--rules", nargs=2, metavar=("A", "B"), help="the compared pair (A is the reference)")
-    audit.add_argument("--extra-rules", nargs="*", help="further rules audited against A")
-    audit.add_argument("--seeds", type=int)
-    audit.add_argument("--sequences", type=int, help="sequences per batch")
-    audit.add_argument("--delta", type=float)
-    audit.add_argument("--k", type=int)
-    audit.add_argument("--convention", choices=("union", "kslot"))
-    audit.add_argument("--mismatch", help=f"μ's mismatch, kind:strength joined by '+'; kinds: {', '.join(MISMATCH_KINDS)}")
-    audit.add_argument("--optimizer", choices=("sgd", "adam"))
-    audit.add_argument("--lr", type=float)
-    audit.add_argument("--warmup-steps", type=int)
-    audit.add_argument("--k-sweep", type=int, nargs="*", help="K values of study (b); none to skip")
-    audit.add_argument("--no-single-token", action="store_true", help="skip study (a)")
-    audit.add_argument("--quiet", action="store_true", help="no progress bar")
-    audit.set_defaults(func=audit_main)
-
-    sweep = subparsers.add_parser(
-        "sweep", help="resumable grid of GRPO runs: rules × mismatch × δ × K × seeds, with report.md",
-        description="Runs every unfinished cell × seed in parallel, writes results.csv/json, figures and "
-                    "report.md; re-running the same command resumes where it stopped.")
-    sweep.add_argument("--preset", default="quick", choices=sorted(SWEEP_PRESETS),
-                       help="starting grid (default: quick, about two minutes on 2 cores)")
-    sweep.add_argument("--config", type=Path, help="YAML file with SweepConfig fields")
-    sweep.add_argument("--out", type=Path, default=None, help="results folder (default: runs/sweep-<preset>)")
-    sweep.add_argument("--rules", nargs="+")
-    sweep.add_argument("--mismatch", nargs="+", help="mismatch settings, e.g. none noise:1 stale:4")
-    sweep.add_argument("--kinds", nargs="+", help="with --strengths: every kind at every strength")
-    sweep.add_argument("--strengths", nargs="+", type=float)
-    sweep.add_argument("--base-mismatch", help="composed into every cell (e.g. stale:2)")
-    sweep.add_argument("--deltas", nargs="+", type=float)
-    sweep.add_argument("--ks", nargs="+", type=int)
-    sweep.add_argument("--conventions", nargs="+", choices=("union", "kslot"))
-    sweep.add_argument("--seeds", type=int)
-    sweep.add_argument("--steps", type=int, help="GRPO steps per run")
-    sweep.add_argument("--problem", choices=PROBLEM_KINDS)
-    sweep.add_argument("--policy", choices=("tabular", "neural"))
-    sweep.add_argument("--optimizer", choices=("adam", "sgd"))
-    sweep.add_argument("--lr", type=float)
-    sweep.add_argument("--epochs", type=int)
-    sweep.add_argument("--minibatches", type=int)
-    sweep.add_argument("--workers", type=int, default=None, help="parallel processes (default: all cores)")
-    sweep.add_argument("--executor", choices=EXECUTORS, default="local")
-    sweep.add_argument("--ray-address", default=None, help="Ray cluster address (default: a local instance)")
-    sweep.add_argument("--audit", dest="audit", action="store_true", default=None,
-                       help="also run the preset's audit and put it in report.md (default for quick)")
-    sweep.add_argument("--no-audit", dest="audit", action="store_false")
-    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
-    sweep.set_defaults(func=sweep_main)
+def _add_config_arguments(p: argparse.ArgumentParser, presets: dict, default: str, what: str) -> None:
+    """The arguments every toy command shares: preset, YAML file, overrides, output folder."""
+    p.add_argument("--preset", default=default, choices=sorted(presets),
+                   help=f"starting configuration (default: {default})")
+    p.add_argument("--config", type=Path, help=f"YAML file with {what} fields, laid over the preset")
+    p.add_argument("--out", type=Path, default=None, help=f"output folder (default: runs/{p.prog.split()[-1]}-<preset>)")
+    p.add_argument("--seeds", type=int, help="seeds (same as seeds=N)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value", help=OVERRIDES_HELP)
 
 
-def _merge(base, path: Path | None):
-    """``base`` with the keys of a YAML file laid over it (unknown keys: ConfigError)."""
-    if path is None:
-        return base
+def build_config(presets: dict, args: argparse.Namespace):
+    """preset → ``--config`` YAML → ``key.path=value`` overrides → ``--seeds``, validated once."""
     import yaml
 
-    with open(path, encoding="utf-8") as fh:  # a YAML error then names the file, line and column
-        overrides = yaml.safe_load(fh) or {}
-    if not isinstance(overrides, dict):
-        raise ValueError(f"{path}: expected a mapping of config fields, got {type(overrides).__name__}")
-    merged = to_dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_update(merged[key], value)
-        else:
-            merged[key] = value
-    return from_dict(type(base), merged)
+    from .presets import preset
+
+    base = preset(presets, args.preset)
+    doc = to_dict(base)
+    if args.config is not None:
+        try:  # a YAML error then names the file, line and column
+            layer = yaml.safe_load(args.config.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{args.config}: {err}") from None
+        if not isinstance(layer, dict):
+            raise ConfigError(f"{args.config}: expected a mapping at the top level")
+        doc = _deep_update(doc, layer)
+    doc = apply_overrides(doc, args.overrides)
+    if args.seeds is not None:
+        doc["seeds"] = args.seeds
+    return from_dict(type(base), doc)
 
 
 def _deep_update(target: dict, update: dict) -> dict:
@@ -109,67 +61,63 @@ def _deep_update(target: dict, update: dict) -> dict:
     return out
 
 
-def _with_problem(problem, kind: str | None):
-    return problem if kind is None else replace(problem, kind=kind)
-
-
-def audit_config(args: argparse.Namespace) -> AuditConfig:
-    cfg = _merge(preset(AUDIT_PRESETS, args.preset), args.config)
-    fields = {"policy": args.policy, "seeds": args.seeds, "sequences": args.sequences,
-              "delta": args.delta, "k": args.k, "convention": args.convention,
-              "mismatch": args.mismatch, "optimizer": args.optimizer, "lr": args.lr,
-              "warmup_steps": args.warmup_steps}
-    cfg = replace(cfg, **{k: v for k, v in fields.items() if v is not None})
-    if args.problem:
-        cfg = replace(cfg, problem=_with_problem(cfg.problem, args.problem))
-    if args.rules:
-        cfg = replace(cfg, rules=tuple(args.rules))
-    if args.extra_rules is not None:
-        cfg = replace(cfg, extra_rules=tuple(args.extra_rules))
-    if args.k_sweep is not None:
-        cfg = replace(cfg, k_sweep=tuple(args.k_sweep))
-    if args.no_single_token:
-        cfg = replace(cfg, single_token=False)
-    return cfg
-
-
-def sweep_config(args: argparse.Namespace) -> SweepConfig:
-    cfg = _merge(preset(SWEEP_PRESETS, args.preset), args.config)
-    base_fields = {"steps": args.steps, "policy": args.policy, "optimizer": args.optimizer,
-                   "lr": args.lr, "epochs": args.epochs, "minibatches": args.minibatches}
-    base = replace(cfg.base, **{k: v for k, v in base_fields.items() if v is not None})
-    base = replace(base, problem=_with_problem(base.problem, args.problem))
-    cfg = replace(cfg, base=base)
-    mismatches = list(args.mismatch or [])
-    if args.kinds:
-        strengths = args.strengths or [1.0]
-        mismatches += [f"{kind}:{s:g}" for kind in args.kinds for s in strengths]
-    if mismatches:
-        cfg = replace(cfg, mismatches=tuple(mismatches))
-    grid = {"rules": args.rules, "deltas": args.deltas, "ks": args.ks, "conventions": args.conventions}
-    cfg = replace(cfg, **{k: tuple(v) for k, v in grid.items() if v})
-    if args.seeds is not None:
-        cfg = replace(cfg, seeds=args.seeds)
-    if args.base_mismatch is not None:
-        cfg = replace(cfg, base_mismatch=args.base_mismatch)
-    return cfg
-
-
-def _config_or_exit(build, args: argparse.Namespace, command: str):
+def _config_or_exit(presets: dict, args: argparse.Namespace, command: str):
     """Build a config; a bad key or value prints one line and exits with status 2."""
-    from pdm_lab.config import ConfigError
-
     try:
-        return build(args)
+        return build_config(presets, args)
     except (ConfigError, ValueError, OSError) as err:
         print(f"pdm-lab {command}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
+def register_audit(subparsers) -> None:
+    """``pdm-lab audit``: the direction audit of SPEC §6."""
+    from .presets import AUDIT_PRESETS
+
+    p = subparsers.add_parser(
+        "audit", help="direction audit (SPEC §6): unsafe-keep of two rules over seeds, with CI and sign test",
+        description="One optimiser step per rule from the same parameters on the same batch; over tokens "
+                    "outside the region where two rules disagree, how often each rule's kept tokens grew D. "
+                    "Writes audit.json, audit.md and figures. Fields: see AuditConfig (pdm_lab.envs.audit); "
+                    "e.g. rules=[dppo_topk_kl,pdm_topk] sequences=256 problem.kind=bandit k_sweep=[] "
+                    "single_token=false.")
+    _add_config_arguments(p, AUDIT_PRESETS, "paper", "AuditConfig")
+    p.set_defaults(func=audit_main)
+
+
+def register_sweep(subparsers) -> None:
+    """``pdm-lab sweep``: the resumable grid of toy runs."""
+    from .executors import EXECUTORS
+    from .presets import SWEEP_PRESETS
+
+    p = subparsers.add_parser(
+        "sweep", help="resumable grid of GRPO runs: rules × mismatch × δ × K × seeds, with report.md",
+        description="Runs every unfinished cell × seed in parallel, writes results.csv/json, figures and "
+                    "report.md; re-running the same command resumes where it stopped. Fields: see "
+                    "SweepConfig (pdm_lab.envs.sweep); e.g. rules=[dppo_topk_kl,pdm_topk] "
+                    "mismatches=[none,noise:1,stale:4] deltas=[0.05,0.15] ks=[20] base.steps=20 "
+                    "base.problem.kind=token_mdp base.policy=neural base_mismatch=stale:2.")
+    _add_config_arguments(p, SWEEP_PRESETS, "quick", "SweepConfig")
+    p.add_argument("--workers", type=int, default=None, help="parallel processes (default: all cores)")
+    p.add_argument("--executor", choices=EXECUTORS, default="local")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: a local instance)")
+    p.add_argument("--audit", dest="audit", action="store_true", default=None,
+                   help="also run the preset's audit and put it in report.md (default for quick)")
+    p.add_argument("--no-audit", dest="audit", action="store_false")
+    p.set_defaults(func=sweep_main)
+
+
+def register(subparsers) -> None:
+    """Every toy command (``python -m``-style use; ``pdm-lab`` finds them as entry points)."""
+    register_audit(subparsers)
+    register_sweep(subparsers)
+
+
 def audit_main(args: argparse.Namespace) -> int:
     from .pipeline import audit_to_dir
+    from .presets import AUDIT_PRESETS
 
-    cfg = _config_or_exit(audit_config, args, "audit")
+    cfg = _config_or_exit(AUDIT_PRESETS, args, "audit")
     import torch
 
     torch.set_num_threads(1)  # small [N, n] ops: one thread is fastest on few cores
@@ -185,14 +133,21 @@ def audit_main(args: argparse.Namespace) -> int:
 
 
 def sweep_main(args: argparse.Namespace) -> int:
-    from .pipeline import sweep_to_dir
+    from pdm_lab.results import ResultsError
 
-    cfg = _config_or_exit(sweep_config, args, "sweep")
+    from .executors import make_executor
+    from .pipeline import sweep_to_dir
+    from .presets import AUDIT_PRESETS, SWEEP_PRESETS, preset
+
+    cfg = _config_or_exit(SWEEP_PRESETS, args, "sweep")
     out = args.out or Path("runs") / f"sweep-{args.preset}"
     run_audit_too = args.audit if args.audit is not None else args.preset == "quick"
     audit = preset(AUDIT_PRESETS, args.preset) if run_audit_too else None
     executor = make_executor(args.executor, args.workers, args.ray_address)
-    status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet)
+    try:
+        status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet)
+    except ResultsError as err:
+        raise SystemExit(f"pdm-lab sweep: error: {err}") from None
     print(f"{status['ran']} runs now, {status['skipped']} reused, {status['runs']}/{status['total']} done "
           f"in {status['wall_s']:.1f} s")
     print(f"report: {status['report']}")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from pdm_lab.config import config_dataclass  # field checks: a NaN strength is an error
+from pdm_lab.config import ConfigError, config_dataclass, one_of  # field checks: a NaN strength is an error
 
 #: tail_noise perturbs the tokens outside π's top this-many.
 TAIL_NOISE_TOP = 20
@@ -77,14 +77,13 @@ class MismatchSource:
     strength: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in MISMATCH_KINDS:
-            raise ValueError(f"mismatch kind: unknown {self.kind!r}; valid: {', '.join(MISMATCH_KINDS)}")
+        one_of("mismatch kind", self.kind, MISMATCH_KINDS)
         if self.kind == "temperature" and self.strength <= -1:
-            raise ValueError(f"temperature mismatch: strength must be > −1, got {self.strength}")
+            raise ConfigError(f"temperature mismatch: strength must be > −1, got {self.strength}")
         if self.kind == "stale" and (self.strength < 1 or self.strength != int(self.strength)):
-            raise ValueError(f"stale: strength is an optimiser-step count ≥ 1, got {self.strength}")
+            raise ConfigError(f"stale: strength is an optimiser-step count ≥ 1, got {self.strength}")
         if self.kind not in ("temperature",) and self.strength < 0:
-            raise ValueError(f"{self.kind}: strength must be ≥ 0, got {self.strength}")
+            raise ConfigError(f"{self.kind}: strength must be ≥ 0, got {self.strength}")
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.strength:g}"

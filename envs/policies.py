@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from pdm_lab.config import one_of
+
 POLICY_KINDS = ("tabular", "neural")
 
 
@@ -65,9 +67,8 @@ class NeuralPolicy(nn.Module):
 
 def make_policy(kind: str, encoder, prior: Tensor, *, seed: int = 0, hidden: int = 64) -> nn.Module:
     """Build a policy by name (``tabular`` or ``neural``)."""
+    one_of("policy", kind, POLICY_KINDS)
     if kind == "tabular":
         return TabularPolicy(encoder, prior)
-    if kind == "neural":
-        gen = torch.Generator().manual_seed(seed)
-        return NeuralPolicy(encoder, prior, hidden=hidden, generator=gen)
-    raise ValueError(f"policy: unknown {kind!r}; valid: {', '.join(POLICY_KINDS)}")
+    gen = torch.Generator().manual_seed(seed)
+    return NeuralPolicy(encoder, prior, hidden=hidden, generator=gen)

@@ -4,6 +4,8 @@ README's main command and an end-to-end test) and ``paper`` (the paper's statist
 runs of ~5 s each, about 7 core-hours — hours on one machine, or spread with ``--executor ray``)."""
 from __future__ import annotations
 
+from pdm_lab.config import one_of
+
 from .audit import AuditConfig
 from .collapse import COLLAPSE_SWEEP
 from .problems import ProblemConfig
@@ -45,7 +47,5 @@ AUDIT_PRESETS: dict[str, AuditConfig] = {
 
 
 def preset(table: dict, name: str):
-    try:
-        return table[name]
-    except KeyError:
-        raise ValueError(f"preset: unknown {name!r}; valid: {', '.join(table)}") from None
+    one_of("preset", name, table)
+    return table[name]

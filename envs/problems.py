@@ -17,7 +17,7 @@ from typing import Annotated
 import torch
 from torch import Tensor
 
-from pdm_lab.config import at_least, config_dataclass, positive  # field checks
+from pdm_lab.config import at_least, config_dataclass, one_of, positive  # field checks
 
 from .bandit import BanditConfig, SoftmaxBandit
 from .encoders import AutomatonEncoder, BanditEncoder
@@ -74,8 +74,7 @@ class ProblemConfig:
     token_mdp: TokenMDPConfig = field(default_factory=TokenMDPConfig)
 
     def __post_init__(self) -> None:
-        if self.kind not in PROBLEM_KINDS:
-            raise ValueError(f"problem.kind: unknown {self.kind!r}; valid: {', '.join(PROBLEM_KINDS)}")
+        one_of("problem.kind", self.kind, PROBLEM_KINDS)
 
 
 def _groups(num_groups: int, group_size: int) -> Tensor:
@@ -125,8 +124,8 @@ class BanditProblem:
                             mu_logp=mu_logp.view(b, 1, -1), rewards=rewards, groups=rows)
 
     @torch.no_grad()
-    def evaluate(self, policy, seed: int = 0) -> float:
-        """Exact expected reward of π, averaged over prompts."""
+    def evaluate(self, policy, seed: int = 0, num_sequences: int | None = None) -> float:
+        """Exact expected reward of π, averaged over prompts (``num_sequences``: unused, exact)."""
         obs = torch.arange(self.bandit.num_prompts)[:, None]
         return float(self.bandit.expected_reward(policy(obs)).mean())
 

@@ -11,7 +11,7 @@ from .summary import config_label, config_summary, group_rows, mismatch_label
 
 def _num(x: float, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
+        return "n/a"
     if abs(x) < 0.5 * 10 ** -digits:
         x = 0.0  # no "-0.000" from rounding-level values
     return f"{x:.{digits}f}"
@@ -20,17 +20,17 @@ def _num(x: float, digits: int = 3) -> str:
 def _ci(triple: tuple[float, float, float], digits: int = 3) -> str:
     mean, lo, hi = triple
     if math.isnan(mean):
-        return "–"
+        return "n/a"
     return f"{mean:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def _p(x: float) -> str:
     """A p-value: two significant digits, scientific when small."""
-    return "–" if x is None or math.isnan(x) else (f"{x:.2g}" if x >= 1e-3 else f"{x:.1e}")
+    return "n/a" if x is None or math.isnan(x) else (f"{x:.2g}" if x >= 1e-3 else f"{x:.1e}")
 
 
 def _pct(x: float) -> str:
-    return "–" if x is None or math.isnan(x) else f"{100 * x:.1f}%"
+    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}%"
 
 
 def _winner(summaries: dict[str, dict], value, *, higher: bool, interval=None) -> str:

@@ -8,6 +8,7 @@ from typing import Callable, Iterable
 import torch
 
 from pdm_lab.masks import MASK_RULES
+from pdm_lab.metrics import finalize, merge_metrics, metric
 
 
 def finite(values: Iterable) -> list[float]:
@@ -67,13 +68,11 @@ def mismatch_label(row: dict) -> str:
 
 
 def pooled_unsafe_keep(rows: list[dict]) -> tuple[float, int]:
-    """Unsafe-keep pooled over runs (weighted by each run's considered-token count)."""
-    total = sum(int(r.get("unsafe_keep_count") or 0) for r in rows)
-    if not total:
+    """Unsafe-keep pooled over runs: Σ unsafe / Σ considered (``merge_metrics``; NaN: none)."""
+    pooled = merge_metrics(*({"u": metric("mean", r["unsafe_count"], r["unsafe_keep_count"])} for r in rows))
+    if not pooled:
         return math.nan, 0
-    unsafe = sum((r["unsafe_keep"] or 0.0) * int(r.get("unsafe_keep_count") or 0) for r in rows
-                 if r.get("unsafe_keep") is not None)
-    return unsafe / total, total
+    return float(finalize(pooled)["u"]), int(pooled["u"].count)
 
 
 def config_summary(rows: list[dict]) -> dict:

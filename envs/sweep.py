@@ -6,7 +6,7 @@ Layout of a results directory::
     cells/<cell_id>/config.json     the cell's TrainConfig (everything but the seed)
     cells/<cell_id>/seed_<s>.jsonl  per-step metrics, appended while the run goes
     cells/<cell_id>/seed_<s>.json   the finished run: its table row and reward curve
-    results.csv, results.json       the tidy table, one row per cell × seed
+    results.csv, results.json       the tidy table, one ``pdm_lab.results.SweepRow`` per cell × seed
 
 A run counts as finished once ``seed_<s>.json`` exists; it is written atomically by the
 coordinating process as soon as the run's result arrives. Re-running the same command skips
@@ -16,30 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Annotated
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Annotated
 
-from pdm_lab.config import MaskConfig, from_dict, to_dict
-from pdm_lab.config import at_least, config_dataclass, non_negative  # field checks
+from pdm_lab.config import ConfigError, at_least, config_dataclass, from_dict, non_negative, to_dict  # field checks
 from pdm_lab.locking import DirLock
 from pdm_lab.masks import get_mask_rule
+from pdm_lab.results import COLUMNS, ResultsError, SweepRow, cell_path, row_from_dict, write_results
 
 from .mismatch import Mismatch
 from .records import plain, read_json_or_quarantine, read_jsonl, write_json_atomic, write_text_atomic
 from .train import TrainConfig, train
-
-#: Columns of results.csv, in order (``scaling``'s ``promote`` reads these names).
-COLUMNS = (
-    "cell_id", "seed", "problem", "policy", "rule", "delta", "k", "convention", "estimator",
-    "mismatch", "mismatch_kind", "mismatch_strength", "optimizer", "lr", "steps", "epochs",
-    "minibatches", "initial_reward", "final_reward", "collapsed", "nonfinite",
-    "realised_topk_kl_mean", "realised_topk_kl_max", "realised_full_kl_mean",
-    "realised_full_kl_max", "update_topk_kl_mean", "mask_fraction", "outside_fraction",
-    "dir_disagree", "unsafe_keep", "shrink", "unsafe_keep_count", "wall_s",
-)
 
 
 @config_dataclass("")
@@ -71,7 +60,7 @@ class SweepConfig:
         for rule in self.rules:
             replace(self.base.mask, rule=rule)  # MaskConfig validates the rule name
         if self.seeds < 1:
-            raise ValueError(f"seeds: must be ≥ 1, got {self.seeds}")
+            raise ConfigError(f"seeds: must be ≥ 1, got {self.seeds}")
 
     def cells(self) -> list[TrainConfig]:
         """One TrainConfig per cell (seed 0; the seed is set per run).
@@ -120,11 +109,6 @@ def mismatch_axis(spec: str) -> tuple[str, float]:
     return sources[0].kind, sources[0].strength
 
 
-def estimator_of(mask: MaskConfig) -> str:
-    """The Ḋ estimator a rule uses (``pdm_<estimator>``), else the metrics' estimator."""
-    return mask.direction_estimator
-
-
 @dataclass(frozen=True)
 class RunJob:
     """One run for an executor: a cell config, its seed and where its step log goes."""
@@ -144,17 +128,18 @@ def run_job(job: RunJob) -> dict:
     row = {
         "cell_id": job.cell_id, "seed": job.seed, "problem": cfg.problem.kind, "policy": cfg.policy,
         "rule": cfg.mask.rule, "delta": cfg.mask.delta, "k": cfg.mask.k,
-        "convention": cfg.mask.convention, "estimator": estimator_of(cfg.mask),
+        "convention": cfg.mask.convention, "estimator": cfg.mask.direction_estimator,
         "mismatch": cfg.mismatch, "mismatch_kind": kind, "mismatch_strength": strength,
         "optimizer": cfg.optimizer, "lr": cfg.lr, "steps": cfg.steps, "epochs": cfg.epochs,
         "minibatches": max(cfg.minibatches, Mismatch.parse(cfg.mismatch).stale_steps),
         **result,
     }
-    return {"row": {c: row.get(c) for c in COLUMNS}, "curve": curve}
+    typed = row_from_dict({c: row[c] for c in COLUMNS if c in row}, f"cell {job.cell_id} seed {job.seed}")
+    return {"row": asdict(typed), "curve": curve}
 
 
 def run_path(out: Path, cid: str, seed: int) -> Path:
-    return out / "cells" / cid / f"seed_{seed}.json"
+    return cell_path(out, cid, f"seed_{seed}.json")
 
 
 def read_run(path: Path) -> dict | None:
@@ -167,7 +152,7 @@ def pending_jobs(cfg: SweepConfig, out: Path) -> tuple[list[RunJob], int]:
     jobs, total = [], 0
     for cell in cfg.cells():
         cid = cell_id(cell)
-        cell_dir = out / "cells" / cid
+        cell_dir = cell_path(out, cid)
         if not (cell_dir / "config.json").exists():
             write_json_atomic(cell_dir / "config.json", to_dict(cell))
         for seed in cfg.seed_list:
@@ -230,29 +215,17 @@ def load_runs(cfg: SweepConfig, out: str | Path) -> list[dict]:
     return runs
 
 
-def write_table(cfg: SweepConfig, out: str | Path) -> list[dict]:
-    """results.csv and results.json: one row per finished cell × seed (NaN → empty / null)."""
+def write_table(cfg: SweepConfig, out: str | Path) -> list[SweepRow]:
+    """results.csv and results.json (``pdm_lab.results``): one typed row per finished cell × seed."""
     out = Path(out)
-    rows = [plain(run["row"]) for run in load_runs(cfg, out)]
-    write_json_atomic(out / "results.json", rows)
-    lines = [",".join(COLUMNS)]
-    for row in rows:
-        lines.append(",".join(_csv_cell(row.get(c)) for c in COLUMNS))
-    write_text_atomic(out / "results.csv", "\n".join(lines) + "\n")
-    return rows
-
-
-def _csv_cell(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.6g}"
-    text = str(value)
-    return f'"{text}"' if ("," in text or '"' in text) else text
+    try:
+        rows = [row_from_dict(run["row"], str(run_path(out, run["row"]["cell_id"], run["row"]["seed"])))
+                for run in load_runs(cfg, out)]
+    except ResultsError as err:  # a run stored by an older pdm_lab (another schema)
+        raise ResultsError(f"{err} (stored by another pdm_lab version: use a new --out)") from None
+    return write_results(out, rows)
 
 
 def step_log(out: str | Path, cid: str, seed: int) -> list[dict]:
     """The per-step metrics of one run (complete lines only)."""
-    return read_jsonl(Path(out) / "cells" / cid / f"seed_{seed}.jsonl")
+    return read_jsonl(cell_path(out, cid, f"seed_{seed}.jsonl"))

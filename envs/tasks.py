@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdm_lab.config import ConfigError, one_of
+
 EOS = 0
 
 
@@ -68,9 +70,9 @@ class AutomatonTask:
 def target_sum_task(vocab_size: int = 128, modulus: int = 8, max_len: int = 6) -> AutomatonTask:
     """The ``sum`` task: answer tokens whose values (id mod m) sum to the prompt c mod m."""
     if vocab_size < modulus + 1:
-        raise ValueError(f"vocab_size ({vocab_size}) must exceed modulus ({modulus})")
+        raise ConfigError(f"vocab_size ({vocab_size}) must exceed modulus ({modulus})")
     if max_len < 2:
-        raise ValueError(f"max_len must be ≥ 2 (one answer token and EOS), got {max_len}")
+        raise ConfigError(f"max_len must be ≥ 2 (one answer token and EOS), got {max_len}")
     values = np.arange(vocab_size) % modulus
     state = np.arange(modulus)[:, None]
     transition = (state + values[None, :]) % modulus
@@ -108,8 +110,5 @@ TASKS = {"sum": target_sum_task, "grammar": grammar_task}
 
 def make_task(name: str = "sum", **kwargs) -> AutomatonTask:
     """Build a registered task by name; unknown names raise with the valid list."""
-    try:
-        factory = TASKS[name]
-    except KeyError:
-        raise ValueError(f"task: unknown {name!r}; valid: {', '.join(sorted(TASKS))}") from None
-    return factory(**kwargs)
+    one_of("task", name, TASKS)
+    return TASKS[name](**kwargs)

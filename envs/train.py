@@ -8,7 +8,6 @@ often a kept token outside the region grew D (the unsafe-keep rate of SPEC §6, 
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import field
 from typing import Annotated
@@ -18,11 +17,11 @@ import torch
 
 from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import unsafe_keep_rates
-from pdm_lab.config import MaskConfig
-from pdm_lab.config import at_least, config_dataclass, in_range, positive  # field checks
+from pdm_lab.config import ConfigError, MaskConfig, at_least, config_dataclass, in_range, one_of, positive  # field checks
+from pdm_lab.metrics import MetricSums, as_mismatch, finalize_floats, merge_metrics, metric, step_metric_sums
 
 from .mismatch import Mismatch
-from .policies import make_policy
+from .policies import POLICY_KINDS, make_policy
 from .problems import ProblemConfig, make_problem
 from .records import JsonlWriter
 from .rollout import RolloutRNG
@@ -31,6 +30,15 @@ from .update import current_stats, masked_loss, outside_region, token_batch
 OPTIMIZERS = ("adam", "sgd")
 #: a smaller fall of the smoothed reward is not a collapse, whatever its fraction (batch noise)
 COLLAPSE_MIN_LOSS = 0.05
+
+#: The run's summary columns (results rows) and the pooled metric each one reads.
+SUMMARY_KEYS = {
+    "realised_topk_kl_mean": "mismatch/topk_kl_mean", "realised_topk_kl_max": "mismatch/topk_kl_max",
+    "realised_full_kl_mean": "mismatch/full_kl_mean", "realised_full_kl_max": "mismatch/full_kl_max",
+    "update_topk_kl_mean": "div/topk_kl_mean", "mask_fraction": "mask/frac_dropped",
+    "outside_fraction": "mask/frac_outside", "dir_disagree": "mask/dir_disagree",
+    "unsafe_keep": "audit/unsafe_keep", "shrink": "audit/shrink",
+}
 
 
 @config_dataclass("")
@@ -73,8 +81,10 @@ class TrainConfig:
     """seeds the rollout streams and the neural policy's initial weights."""
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer: unknown {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("policy", self.policy, POLICY_KINDS)
+        if self.eval_sequences < 1:
+            raise ConfigError(f"eval_sequences: must be ≥ 1, got {self.eval_sequences}")
         Mismatch.parse(self.mismatch)  # validate early
 
 
@@ -106,6 +116,11 @@ def is_collapsed(curve: list[float], final: float | None = None, *, drop: float,
     return end < (1.0 - drop) * best and best - end > COLLAPSE_MIN_LOSS
 
 
+def _total(sums: MetricSums, key: str) -> int:
+    """The Σ behind a count-valued metric (0 when nothing was measured)."""
+    return int(sums[key].value) if key in sums else 0
+
+
 def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None) -> dict:
     """Run GRPO; append one JSON line of metrics per step to ``log_path``.
 
@@ -120,10 +135,9 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
     mismatch = Mismatch.parse(cfg.mismatch)
     minibatches = max(cfg.minibatches, mismatch.stale_steps)
     rng = RolloutRNG(cfg.seed)
-    initial_reward = problem.evaluate(policy, cfg.seed)
-    curve, totals = [], {"unsafe": 0, "shrink": 0, "considered": 0, "outside": 0, "tokens": 0}
-    sums: dict[str, float] = {}
-    peaks: dict[str, float] = {}
+    initial_reward = problem.evaluate(policy, cfg.seed, num_sequences=cfg.eval_sequences)
+    curve: list[float] = []
+    run_sums: MetricSums = {}  # every step's sums: the run's pooled metrics
     nonfinite = False
 
     with JsonlWriter(log_path) as log:
@@ -136,18 +150,9 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
 
             # 2. realised mismatch μ vs π at rollout time (before any update on this batch)
             stats0 = current_stats(policy, tokens)
-            record = {
-                "step": step,
-                "reward/mean": float(batch.rewards.mean()),
-                "mismatch/topk_kl_mean": float(stats0.topk_kl[resp].mean()),
-                "mismatch/topk_kl_max": float(stats0.topk_kl[resp].max()),
-                "mismatch/full_kl_mean": float(stats0.full_kl[resp].mean()),
-                "mismatch/full_kl_max": float(stats0.full_kl[resp].max()),
-            }
+            parts = [as_mismatch(step_metric_sums(stats0, None, tokens.advantages.reshape(-1), resp, cfg.mask))]
 
             # 3. E epochs × M mini-batches of masked policy-gradient steps
-            step_metrics: dict[str, list[float]] = {}
-            unsafe = shrink = considered = 0
             for _epoch in range(cfg.epochs):
                 order = torch.randperm(batch.num_sequences, generator=rng.order)
                 for rows in order.chunk(minibatches):
@@ -159,37 +164,23 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
                     if not all(bool(torch.isfinite(p).all()) for p in policy.parameters()):
                         nonfinite = True  # diverged: stop here, the run counts as collapsed
                         break
-                    for key, value in out.metrics.items():
-                        step_metrics.setdefault(key, []).append(float(value))
-                    mb_resp = mb.response_mask.reshape(-1)
-                    outside = outside_region(out.stats, mb.advantages, cfg.mask) & mb_resp
-                    totals["outside"] += int(outside.sum())
-                    totals["tokens"] += int(mb_resp.sum())
+                    parts.append(out.metric_sums)
                     if cfg.track_unsafe_keep:  # SPEC §6 online: did the kept outside tokens' D grow?
+                        outside = outside_region(out.stats, mb.advantages, cfg.mask) & mb.response_mask.reshape(-1)
                         kept = outside & (out.keep.reshape(-1) > 0) & (mb.advantages.reshape(-1) != 0)
                         after = current_stats(policy, mb, full=False)
                         rates = unsafe_keep_rates(after.topk_kl - out.stats.topk_kl, kept)
-                        if rates["count"]:
-                            unsafe += round(rates["unsafe_keep"] * rates["count"])
-                            shrink += round(rates["shrink"] * rates["count"])
-                            considered += rates["count"]
+                        parts.append({
+                            "audit/unsafe_keep": metric("mean", rates["unsafe_count"], rates["count"]),
+                            "audit/shrink": metric("mean", rates["shrink_count"], rates["count"]),
+                            "audit/considered": metric("sum", rates["count"]),
+                        })
                 if nonfinite:
                     break
-            record.update({k: sum(v) / len(v) for k, v in step_metrics.items()})
-            if considered:
-                record["audit/unsafe_keep"] = unsafe / considered
-                record["audit/shrink"] = shrink / considered
-            record["audit/considered"] = considered
-            totals["unsafe"] += unsafe
-            totals["shrink"] += shrink
-            totals["considered"] += considered
-            record["time/elapsed_s"] = time.perf_counter() - start
-            for key in ("mismatch/topk_kl_mean", "mismatch/topk_kl_max", "mismatch/full_kl_mean",
-                        "mismatch/full_kl_max", "div/topk_kl_mean", "mask/frac_dropped",
-                        "mask/frac_outside", "mask/dir_disagree"):
-                if key in record and record[key] is not None and math.isfinite(record[key]):
-                    sums[key] = sums.get(key, 0.0) + record[key]
-                    peaks[key] = max(peaks.get(key, -math.inf), record[key])
+            step_sums = merge_metrics(*parts)
+            run_sums = merge_metrics(run_sums, step_sums)
+            record = {"step": step, "reward/mean": float(batch.rewards.mean()), **finalize_floats(step_sums),
+                      "time/elapsed_s": time.perf_counter() - start}
             curve.append(record["reward/mean"])
             log.write(record)
             if on_step is not None:
@@ -197,24 +188,19 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
             if nonfinite:
                 break
 
-    final_reward = float("nan") if nonfinite else problem.evaluate(policy, cfg.seed)
-    steps_done = max(1, len(curve))
+    final_reward = (float("nan") if nonfinite
+                    else problem.evaluate(policy, cfg.seed, num_sequences=cfg.eval_sequences))
+    final = finalize_floats(run_sums)
+    nan = float("nan")
     return {
         "initial_reward": initial_reward,
         "final_reward": final_reward,
         "collapsed": is_collapsed(curve, drop=cfg.collapse_drop, nonfinite=nonfinite),
         "nonfinite": nonfinite,
-        "realised_topk_kl_mean": sums.get("mismatch/topk_kl_mean", 0.0) / steps_done,
-        "realised_topk_kl_max": peaks.get("mismatch/topk_kl_max", 0.0),
-        "realised_full_kl_mean": sums.get("mismatch/full_kl_mean", 0.0) / steps_done,
-        "realised_full_kl_max": peaks.get("mismatch/full_kl_max", 0.0),
-        "update_topk_kl_mean": sums.get("div/topk_kl_mean", 0.0) / steps_done,
-        "mask_fraction": sums.get("mask/frac_dropped", 0.0) / steps_done,
-        "outside_fraction": totals["outside"] / max(1, totals["tokens"]),
-        "dir_disagree": sums.get("mask/dir_disagree", 0.0) / steps_done,
-        "unsafe_keep": totals["unsafe"] / totals["considered"] if totals["considered"] else float("nan"),
-        "shrink": totals["shrink"] / totals["considered"] if totals["considered"] else float("nan"),
-        "unsafe_keep_count": totals["considered"],
+        **{column: final.get(key, nan) for column, key in SUMMARY_KEYS.items()},
+        "unsafe_keep_count": _total(run_sums, "audit/considered"),
+        "unsafe_count": _total(run_sums, "audit/unsafe_keep"),
+        "shrink_count": _total(run_sums, "audit/shrink"),
         "curve": curve,
         "steps_done": len(curve),
         "wall_s": time.perf_counter() - start,

@@ -23,15 +23,18 @@ def unsafe_keep_rates(delta_d: Tensor, considered: Tensor) -> dict[str, float]:
 
     Returns:
         ``unsafe_keep`` (fraction with ΔD > 0), ``shrink`` (ΔD < 0), ``count``; rates are NaN
-        when nothing was considered (reported, never averaged in silently).
+        when nothing was considered (reported, never averaged in silently); ``unsafe_count`` and
+        ``shrink_count`` the numerators (what merges exactly across batches).
     """
     check_same(("delta_d", "considered"), delta_d, considered)
     sel = delta_d[considered.bool()]
     count = int(sel.numel())
     if count == 0:
-        return {"unsafe_keep": float("nan"), "shrink": float("nan"), "count": 0}
-    return {"unsafe_keep": float((sel > 0).double().mean()), "shrink": float((sel < 0).double().mean()),
-            "count": count}
+        return {"unsafe_keep": float("nan"), "shrink": float("nan"), "count": 0, "unsafe_count": 0,
+                "shrink_count": 0}
+    unsafe, shrink = int((sel > 0).sum()), int((sel < 0).sum())
+    return {"unsafe_keep": unsafe / count, "shrink": shrink / count, "count": count,
+            "unsafe_count": unsafe, "shrink_count": shrink}
 
 
 def _paired(x, y) -> tuple[Tensor, Tensor]:

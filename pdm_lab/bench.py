@@ -7,25 +7,23 @@ process (ratios, not absolute seconds, are what carry across machines).
   naive ``log_softmax(logits / T).gather(...)``; target: ≤ 1/8 of the naive peak memory at equal
   or better speed. Peak memory is measured as the growth of the peak RSS in a fresh subprocess.
 
-Stages add rows through their own ``bench.run_bench(args)`` (``envs``, ``scaling``).
+Every row source, the core's included, is an entry point of group ``pdm_lab.benchmarks``
+(``name = "module:run_bench"``, ``run_bench(args) -> list[dict]``); ``--only`` picks by name.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import sys
 
 import torch
 
 from .benchtools import best_of, in_fresh_process, peak_extra_mb
 from .config import MaskConfig
 from .loss import pdm_policy_loss
+from .plugins import BENCHMARKS, BENCHMARKS_ON_DEMAND, PluginError, discover, load
 from .policy_side import PolicyOnSupport, policy_on_support, policy_on_support_reference
 from .support import support_from_topk
-
-STAGE_BENCHES = ("pdm_lab.envs.bench", "pdm_lab.scaling.bench")
-# suites run only when named (minutes each): suite -> (module, function)
-EXTRA_SUITES = {"loop": ("pdm_lab.scaling.bench", "run_loop_bench")}
 
 
 def rollout_like_inputs(n_tokens: int, k: int, vocab: int, seed: int = 0) -> dict:
@@ -166,16 +164,14 @@ def print_rows(rows: list[dict]) -> None:
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads) if args.threads else None
     rows: list[dict] = []
-    if "core" in args.only:
-        rows += run_core_bench(args)
-    for name in STAGE_BENCHES:
-        stage = name.split(".")[1]
-        if stage not in args.only:
-            continue
-        rows += importlib.import_module(name).run_bench(args)
-    for suite, (module, fn) in EXTRA_SUITES.items():
-        if suite in args.only:
-            rows += getattr(importlib.import_module(module), fn)(args)
+    benches = {**discover(BENCHMARKS), **discover(BENCHMARKS_ON_DEMAND)}
+    for name in args.only:
+        try:
+            run_bench = load(benches[name])
+        except PluginError as err:
+            print(f"pdm-lab bench: error: {err}", file=sys.stderr)
+            return 2
+        rows += run_bench(args)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -192,9 +188,12 @@ def register(sub) -> None:
     p.add_argument("--vocab", type=int, default=151_936, help="vocabulary for the gather bench (Qwen3's)")
     p.add_argument("--repeat", type=int, default=3, help="timed repeats, best kept (default 3)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--only", "--suite", nargs="+", default=["core", "envs", "scaling"],
-                   choices=["core", "envs", "scaling", *EXTRA_SUITES], help="which stages to bench "
-                   "(loop: the RL loop against TRL's GRPOTrainer on the same workload; not in the default)")
+    names = list(discover(BENCHMARKS))
+    on_demand = list(discover(BENCHMARKS_ON_DEMAND))
+    p.add_argument("--only", "--suite", nargs="+", default=names, choices=names + on_demand,
+                   help="which benchmarks to run (entry points of pdm_lab.benchmarks; default: all of "
+                        "them; those of pdm_lab.benchmarks.on_demand, e.g. the loop against TRL, run "
+                        "only when named)")
     p.add_argument("--loop-steps", type=int, default=12, help="loop suite: steps per run (default 12)")
     p.add_argument("--loop-rounds", type=int, default=2, help="loop suite: alternated rounds (default 2)")
     p.add_argument("--loop-ranks", type=int, nargs="+", default=[0],

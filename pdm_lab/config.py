@@ -186,11 +186,11 @@ class MaskConfig:
     """``opsm``: drop an Â<0 response whose mean log μ_k − log π_k exceeds this (slime: 1e-4)."""
 
     def __post_init__(self) -> None:
-        _one_of("mask.rule", self.rule, MASK_RULES)
-        _one_of("mask.convention", self.convention, CONVENTIONS)
+        one_of("mask.rule", self.rule, MASK_RULES)
+        one_of("mask.convention", self.convention, CONVENTIONS)
         if self.estimator is not None:
-            _one_of("mask.estimator", self.estimator, DDOT_ESTIMATORS)
-        _one_of("mask.aggregation", self.aggregation, AGGREGATIONS)
+            one_of("mask.estimator", self.estimator, DDOT_ESTIMATORS)
+        one_of("mask.aggregation", self.aggregation, AGGREGATIONS)
         if self.icepop_high < self.icepop_low:
             raise ConfigError(f"mask.icepop_high ({self.icepop_high}) < icepop_low ({self.icepop_low})")
         _check_framework_fields(self)
@@ -213,7 +213,7 @@ class MaskConfig:
 def _check_framework_fields(cfg: MaskConfig) -> None:
     from .framework_rules import BAND_RULES, SEQ_AGGREGATIONS
 
-    _one_of("mask.seq_agg", cfg.seq_agg, SEQ_AGGREGATIONS)
+    one_of("mask.seq_agg", cfg.seq_agg, SEQ_AGGREGATIONS)
     if cfg.dual_clip_c <= 1:
         raise ConfigError(f"mask.dual_clip_c: must be > 1, got {cfg.dual_clip_c}")
     if cfg.veto_floor is not None and cfg.veto_floor <= 0:
@@ -226,7 +226,7 @@ def _check_framework_fields(cfg: MaskConfig) -> None:
         raise ConfigError(f"mask.rule {cfg.rule!r} rejects outside [band_low, band_high]: set at least one")
 
 
-def _one_of(where: str, value: str, valid: typing.Iterable[str]) -> None:
+def one_of(where: str, value: str, valid: typing.Iterable[str]) -> None:
     valid = sorted(valid)
     if value not in valid:
         near = difflib.get_close_matches(str(value), valid, n=1)

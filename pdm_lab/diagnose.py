@@ -5,13 +5,17 @@ it is a convenience view for checks and notebooks, not a second implementation.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
 from .config import MaskConfig
 from .errors import check_same, check_tensor
-from .masks import compute_mask
+from .masks import compute_mask, outside_region
+from .metrics import direction_disagreement, sign_certified
 from .policy_side import policy_on_support
+from .stats import token_stats
 from .support import support_from_full
 
 DIAGNOSE_MASKS = ("dppo_topk_kl", "pdm_exact", "pdm_agg", "pdm_uniform", "pdm_topk")
@@ -19,24 +23,26 @@ DIAGNOSE_MASKS = ("dppo_topk_kl", "pdm_exact", "pdm_agg", "pdm_uniform", "pdm_to
 
 @torch.no_grad()
 def diagnose(mu_logp: Tensor, pi_logp: Tensor, sampled: Tensor, advantages: Tensor, *,
-             k: int = 20, delta: float = 0.15, convention: str = "union") -> dict[str, Tensor]:
+             k: int = 20, delta: float = 0.15, delta_neg: float | None = None,
+             convention: str = "union") -> dict[str, Tensor]:
     """Per-token divergences, Ḋ estimates and masks from full μ and π.
 
     Args:
         mu_logp, pi_logp: [N, n] full log-probabilities of μ and π.
         sampled: [N] int64 sampled ids k.
         advantages: [N] Â.
-        k, delta, convention: K, δ and the support convention (SPEC §2, §4).
+        k, delta, delta_neg, convention: K, δ, δ for Â < 0 (None: δ) and the support
+            convention (SPEC §2, §4).
 
     Returns:
         [N] tensors ``topk_kl, topk_tv, full_kl, ratio`` (float64; +inf only where log r > 709,
-        i.e. r is beyond float64 itself: read ``log_ratio`` there), ``log_ratio, mu_tail, pi_tail, ddot_exact, ddot_agg,
-        ddot_uniform, ddot_topk, ddot_lower, ddot_upper, outside`` (bool, D > δ) and masks
+        i.e. r is beyond float64 itself: read ``log_ratio`` there), ``log_ratio, mu_tail, pi_tail,
+        ddot_exact, ddot_agg, ddot_uniform, ddot_topk, ddot_lower, ddot_upper, outside`` (bool,
+        D > δ, δ_neg for Â < 0: ``pdm_lab.masks.outside_region``), ``dir_disagree_<estimator>``
+        (bool, sign(r − 1) ≠ sign(Ḋ)), ``sign_certified`` (bool, the Ḋ bounds fix its sign) and masks
         ``mask_<rule>`` (1.0 keep, 0.0 drop) for ``DIAGNOSE_MASKS``; ``support`` [N, m] int64
         padded with −1.
     """
-    from .stats import token_stats
-
     check_tensor("pi_logp", pi_logp, ndim=2, floating=True)
     check_same(("mu_logp", "pi_logp"), mu_logp, pi_logp, dtype=True)
     check_tensor("advantages", advantages, ndim=1, floating=True)
@@ -44,16 +50,18 @@ def diagnose(mu_logp: Tensor, pi_logp: Tensor, sampled: Tensor, advantages: Tens
     support = support_from_full(mu_logp, sampled, k=k, convention=convention)
     pi = policy_on_support(pi_logp, support.ids)
     stats = token_stats(support, pi, mu_full=mu_logp, pi_full=pi_logp)
+    adv = advantages.to(stats.ratio.dtype)
+    base = MaskConfig(delta=delta, delta_neg=delta_neg, k=k, convention=convention)
     out: dict[str, Tensor] = {
         "topk_kl": stats.topk_kl, "topk_tv": stats.topk_tv, "full_kl": stats.full_kl,
         # float64: e^{100} overflows float32 though r is finite; inf only past log r ≈ 709
         "ratio": torch.exp(stats.log_ratio.double()), "log_ratio": stats.log_ratio, "mu_tail": stats.mu_tail, "pi_tail": stats.pi_tail,
         "ddot_lower": stats.ddot_lower, "ddot_upper": stats.ddot_upper,
-        "outside": stats.topk_kl > delta, "support": support.ids,
+        "outside": outside_region(stats.topk_kl, adv, base), "support": support.ids,
     }
     out.update({f"ddot_{name}": value for name, value in stats.ddot.items()})
-    adv = advantages.to(stats.ratio.dtype)
+    out.update({f"dir_disagree_{name}": direction_disagreement(stats, name) for name in stats.ddot})
+    out["sign_certified"] = sign_certified(stats)
     for rule in DIAGNOSE_MASKS:
-        cfg = MaskConfig(rule=rule, delta=delta, k=k, convention=convention)
-        out[f"mask_{rule}"] = compute_mask(cfg, stats, adv)
+        out[f"mask_{rule}"] = compute_mask(dataclasses.replace(base, rule=rule), stats, adv)
     return out

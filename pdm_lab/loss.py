@@ -10,7 +10,7 @@ from torch import Tensor
 from .config import AGGREGATIONS, MaskConfig
 from .errors import PDMInputError, check_same, check_tensor
 from .masks import compute_mask
-from .metrics import step_metrics
+from .metrics import MetricSums, finalize, step_metric_sums
 from .policy_side import PolicyOnSupport
 from .stats import TokenStats, token_stats
 from .support import Support
@@ -18,12 +18,15 @@ from .support import Support
 
 @dataclass(frozen=True)
 class LossOutput:
-    """loss: scalar (differentiable); keep: [B, T] mask; stats: per-token [N]; metrics: namespaced."""
+    """loss: scalar (differentiable); keep: [B, T] mask; stats: per-token [N]; metrics: namespaced
+    0-d tensors (NaN where no token counted); metric_sums: the same as mergeable sums
+    (``pdm_lab.metrics.merge_metrics`` over mini-batches, ranks, seeds)."""
 
     loss: Tensor
     keep: Tensor
     stats: TokenStats
     metrics: dict[str, Tensor]
+    metric_sums: MetricSums
 
 
 def token_surrogate(logp_k: Tensor, mu_logp_k: Tensor, advantages: Tensor, keep: Tensor,
@@ -108,5 +111,6 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
     mu_logp_k = support.mu_logp_k.to(logp_k.dtype)
     per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, cfg.clip_ratio_c)
     loss = aggregate(per_token.reshape(advantages.shape), response_mask, cfg.aggregation, cfg.horizon)
-    metrics = step_metrics(stats, keep, adv, resp, cfg)
-    return LossOutput(loss=loss, keep=keep.reshape(advantages.shape), stats=stats, metrics=metrics)
+    sums = step_metric_sums(stats, keep, adv, resp, cfg)
+    return LossOutput(loss=loss, keep=keep.reshape(advantages.shape), stats=stats, metrics=finalize(sums),
+                      metric_sums=sums)

@@ -1,7 +1,16 @@
-"""Per-step metrics of SPEC §5, as a dict of 0-d tensors with namespaced keys."""
+"""Per-step metrics of SPEC §5 as mergeable sums: one function merges them across mini-batches,
+ranks and seeds, exactly.
+
+Each key carries a declared reduction and a count: ``mean`` keeps Σx and n (the value is Σx/n),
+``sum`` keeps Σx, ``max``/``min`` keep the extreme. Merging adds sums and counts and takes
+extremes, so a token-weighted mean over a whole batch on all ranks is the same number whatever
+the split. A key with count 0 finalises to NaN (logged as null, reported as "n/a"), never 0.0.
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import Tensor
@@ -9,21 +18,156 @@ from torch import Tensor
 from .masks import outside_region
 
 if TYPE_CHECKING:
-    from .config import MaskConfig
     from .stats import TokenStats
 
-
-def _mean(x: Tensor, where: Tensor) -> Tensor:
-    w = where.to(x.dtype)  # select, don't multiply: a padding slot's r may be inf (inf·0 = NaN)
-    return torch.where(where, x, torch.zeros_like(x)).sum() / w.sum().clamp(min=1)
+REDUCTIONS = ("mean", "sum", "max", "min")
 
 
-def _masked_max(x: Tensor, where: Tensor) -> Tensor:
-    return x[where].max() if bool(where.any()) else x.new_zeros(())
+@dataclass(frozen=True)
+class Metric:
+    """One key's running state: ``value`` is Σx (mean, sum) or the extreme (max, min; ±inf when
+    count = 0); ``count`` the observations behind it. Both 0-d tensors (float64)."""
+
+    reduce: str
+    value: Tensor
+    count: Tensor
 
 
-def _masked_min(x: Tensor, where: Tensor) -> Tensor:
-    return x[where].min() if bool(where.any()) else x.new_zeros(())
+#: Metrics as sums: ``{"mask/frac_dropped": Metric("mean", Σ dropped, n), …}``.
+MetricSums = dict[str, Metric]
+
+_IDENTITY = {"mean": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
+
+
+def _f64(x: Any) -> Tensor:
+    return torch.as_tensor(x, dtype=torch.float64).detach()
+
+
+def metric(reduce: str, value: Any, count: Any = 1) -> Metric:
+    """A Metric from a value and its count (floats or tensors; ``value`` as the reduction wants)."""
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"metric reduction: unknown {reduce!r}; valid: {', '.join(REDUCTIONS)}")
+    return Metric(reduce, _f64(value), _f64(count))
+
+
+def mean_of(x: Tensor, where: Tensor) -> Metric:
+    """``mean`` of x over the ``where`` entries (Σ and count; no division yet)."""
+    w = where.to(torch.float64)  # select, don't multiply: a padding slot's r may be inf (inf·0 = NaN)
+    return Metric("mean", torch.where(where.bool(), x.to(torch.float64), 0.0).sum(), w.sum())
+
+
+def _extreme_of(reduce: str, x: Tensor, where: Tensor) -> Metric:
+    filled = x.to(torch.float64).masked_fill(~where.bool(), _IDENTITY[reduce])
+    if filled.numel() == 0:  # an empty batch: the identity, count 0
+        value = _f64(_IDENTITY[reduce]).to(filled.device)
+    else:
+        value = filled.max() if reduce == "max" else filled.min()
+    return Metric(reduce, value, where.to(torch.float64).sum())
+
+
+def max_of(x: Tensor, where: Tensor) -> Metric:
+    """``max`` of x over the ``where`` entries (−inf, count 0 when there are none)."""
+    return _extreme_of("max", x, where)
+
+
+def min_of(x: Tensor, where: Tensor) -> Metric:
+    """``min`` of x over the ``where`` entries (+inf, count 0 when there are none)."""
+    return _extreme_of("min", x, where)
+
+
+def merge_metrics(*parts: Mapping[str, Metric]) -> MetricSums:
+    """The exact merge of metric sums (mini-batches, steps, ranks, seeds): sums and counts add,
+    extremes combine. A key in only some parts keeps what those parts saw."""
+    out: MetricSums = {}
+    for part in parts:
+        for key, m in part.items():
+            prev = out.get(key)
+            if prev is None:
+                out[key] = m
+                continue
+            if prev.reduce != m.reduce:
+                raise ValueError(f"metric {key!r}: reduction {prev.reduce!r} merged with {m.reduce!r}")
+            if m.reduce in ("mean", "sum"):
+                value = prev.value + m.value
+            elif m.reduce == "max":
+                value = torch.maximum(prev.value, m.value)
+            else:
+                value = torch.minimum(prev.value, m.value)
+            out[key] = Metric(m.reduce, value, prev.count + m.count)
+    return out
+
+
+def finalize(sums: Mapping[str, Metric]) -> dict[str, Tensor]:
+    """0-d float64 tensors: mean = Σx/n, sum = Σx, max/min the extreme; NaN where count = 0."""
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    out = {}
+    for key, m in sums.items():
+        value = m.value / m.count if m.reduce == "mean" else m.value
+        out[key] = torch.where(m.count > 0, value, nan)
+    return out
+
+
+def finalize_floats(sums: Mapping[str, Metric]) -> dict[str, float]:
+    """``finalize`` as Python floats, for logs and tables (one host sync for all keys)."""
+    done = finalize(sums)
+    if not done:
+        return {}
+    values = torch.stack(list(done.values())).tolist()
+    return dict(zip(done, values))
+
+
+def rename(sums: Mapping[str, Metric], mapping: Mapping[str, str]) -> MetricSums:
+    """The keys of ``mapping`` present in ``sums``, under their new names."""
+    return {new: sums[old] for old, new in mapping.items() if old in sums}
+
+
+#: The rollout-time view (μ against π before any update on the batch): the realised mismatch.
+MISMATCH_KEYS = {"div/topk_kl_mean": "mismatch/topk_kl_mean", "div/topk_kl_max": "mismatch/topk_kl_max",
+                 "div/topk_tv_mean": "mismatch/topk_tv_mean", "div/full_kl_mean": "mismatch/full_kl_mean",
+                 "div/full_kl_max": "mismatch/full_kl_max", "ratio/min": "mismatch/ratio_min",
+                 "ratio/max": "mismatch/ratio_max", "mask/frac_outside": "mismatch/frac_outside",
+                 "mask/dir_disagree": "mismatch/dir_disagree"}
+
+
+def as_mismatch(sums: Mapping[str, Metric]) -> MetricSums:
+    """Step metrics of the batch before any update, as ``mismatch/*`` keys (``MISMATCH_KEYS``)."""
+    return rename(sums, MISMATCH_KEYS)
+
+
+def all_reduce_metrics(sums: Mapping[str, Metric], group=None) -> MetricSums:
+    """``merge_metrics`` across the ranks of ``group``, in three collectives whatever the keys:
+    one SUM of every Σ and count, one MAX and one MIN. Every rank must hold the same keys
+    (``step_metric_sums`` guarantees it): a checksum of the key set rides along, so different
+    keys of equal count raise; a different count is a collective size mismatch the backend
+    reports. Identity outside a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return dict(sums)
+    keys = sorted(sums)
+    additive = [k for k in keys if sums[k].reduce in ("mean", "sum")]
+    maxes = [k for k in keys if sums[k].reduce == "max"]
+    mins = [k for k in keys if sums[k].reduce == "min"]
+    device = sums[keys[0]].value.device if keys else torch.device("cpu")
+    check = float(zlib.crc32("\n".join(f"{k}:{sums[k].reduce}" for k in keys).encode()))
+
+    def pack(values: list[Tensor]) -> Tensor:
+        return torch.stack([v.to(device, torch.float64) for v in values]) if values else \
+            torch.zeros(0, dtype=torch.float64, device=device)
+
+    total = pack([sums[k].value for k in additive] + [sums[k].count for k in keys])
+    high = torch.cat([pack([sums[k].value for k in maxes]), pack([_f64(check)])])
+    low = torch.cat([pack([sums[k].value for k in mins]), pack([_f64(check)])])
+    dist.all_reduce(total, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    if float(high[-1]) != check or float(low[-1]) != check:
+        raise RuntimeError(f"all_reduce_metrics: ranks hold different metric keys (this rank: {', '.join(keys)})")
+    counts = dict(zip(keys, total[len(additive):]))
+    value = dict(zip(additive, total[:len(additive)]))
+    value.update(zip(maxes, high[:-1]))
+    value.update(zip(mins, low[:-1]))
+    return {k: Metric(sums[k].reduce, value[k], counts[k]) for k in keys}
 
 
 @torch.no_grad()
@@ -32,36 +176,55 @@ def direction_disagreement(stats: "TokenStats", estimator: str) -> Tensor:
     return torch.sign(stats.log_ratio) != torch.sign(stats.ddot[estimator])
 
 
+def sign_certified(stats: "TokenStats") -> Tensor:
+    """[N] bool: the bounds on Ḋ fix its sign (lower > 0 or upper < 0), whatever the tail does."""
+    return (stats.ddot_lower > 0) | (stats.ddot_upper < 0)
+
+
+@torch.no_grad()
+def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tensor, response: Tensor,
+                     cfg: Any) -> MetricSums:
+    """Metrics over response tokens as sums: mask fractions, region, direction disagreement (of
+    the rule's own Ḋ estimator, ``cfg.direction_estimator``), D, tails, r.
+
+    Args: stats [N]; keep [N] 1/0 or None (no mask yet: the ``mask/frac_dropped*`` keys are left
+    out); advantages [N]; response [N] bool; cfg a ``MaskConfig`` (δ, δ_neg, estimator).
+    The key set depends only on ``keep is None``, ``stats.full_kl`` and the estimator, so every
+    rank of a run holds the same keys.
+    """
+    response = response.bool()
+    outside = outside_region(stats.topk_kl, advantages, cfg) & response
+    metrics: MetricSums = {}
+    if keep is not None:
+        dropped = 1.0 - keep.to(torch.float64)
+        metrics.update({
+            "mask/frac_dropped": mean_of(dropped, response),
+            "mask/frac_dropped_pos": mean_of(dropped, response & (advantages > 0)),
+            "mask/frac_dropped_neg": mean_of(dropped, response & (advantages < 0)),
+        })
+    metrics.update({
+        "mask/frac_outside": mean_of(outside, response),
+        "div/topk_kl_mean": mean_of(stats.topk_kl, response),
+        "div/topk_kl_max": max_of(stats.topk_kl, response),
+        "div/topk_tv_mean": mean_of(stats.topk_tv, response),
+        "div/mu_tail_mean": mean_of(stats.mu_tail, response),
+        "div/pi_tail_mean": mean_of(stats.pi_tail, response),
+        "ratio/mean": mean_of(stats.ratio, response),
+        "ratio/min": min_of(stats.ratio, response),
+        "ratio/max": max_of(stats.ratio, response),
+        "tokens/response": metric("sum", response.sum()),
+    })
+    if stats.full_kl is not None:
+        metrics["div/full_kl_mean"] = mean_of(stats.full_kl, response)
+        metrics["div/full_kl_max"] = max_of(stats.full_kl, response)
+    if cfg.direction_estimator in stats.ddot:
+        metrics["mask/dir_disagree"] = mean_of(direction_disagreement(stats, cfg.direction_estimator), outside)
+    metrics["mask/ddot_sign_certified"] = mean_of(sign_certified(stats), outside)
+    return metrics
+
+
 @torch.no_grad()
 def step_metrics(stats: "TokenStats", keep: Tensor, advantages: Tensor, response: Tensor,
-                 cfg: "MaskConfig") -> dict[str, Tensor]:
-    """Metrics over response tokens: mask fractions, region, direction disagreement, D, tails, r.
-
-    Args: stats [N]; keep [N] 1/0; advantages [N]; response [N] bool; cfg for δ and estimator.
-    """
-    dropped = 1.0 - keep
-    outside = outside_region(stats.topk_kl, advantages, cfg) & response
-    metrics = {
-        "mask/frac_dropped": _mean(dropped, response),
-        "mask/frac_dropped_pos": _mean(dropped, response & (advantages > 0)),
-        "mask/frac_dropped_neg": _mean(dropped, response & (advantages < 0)),
-        "mask/frac_outside": _mean(outside.to(dropped.dtype), response),
-        "div/topk_kl_mean": _mean(stats.topk_kl, response),
-        "div/topk_kl_max": _masked_max(stats.topk_kl, response),
-        "div/topk_tv_mean": _mean(stats.topk_tv, response),
-        "div/mu_tail_mean": _mean(stats.mu_tail, response),
-        "div/pi_tail_mean": _mean(stats.pi_tail, response),
-        "ratio/mean": _mean(stats.ratio, response),
-        "ratio/min": _masked_min(stats.ratio, response),
-        "ratio/max": _masked_max(stats.ratio, response),
-        "tokens/response": response.sum().to(dropped.dtype),
-    }
-    if stats.full_kl is not None:
-        metrics["div/full_kl_mean"] = _mean(stats.full_kl, response)
-        metrics["div/full_kl_max"] = _masked_max(stats.full_kl, response)
-    if cfg.direction_estimator in stats.ddot:
-        disagree = direction_disagreement(stats, cfg.direction_estimator).to(dropped.dtype)
-        metrics["mask/dir_disagree"] = _mean(disagree, outside)
-    certain = (stats.ddot_lower > 0) | (stats.ddot_upper < 0)
-    metrics["mask/ddot_sign_certified"] = _mean(certain.to(dropped.dtype), outside)
-    return metrics
+                 cfg: Any) -> dict[str, Tensor]:
+    """``finalize(step_metric_sums(...))``: one batch's metrics as 0-d tensors (NaN: no token)."""
+    return finalize(step_metric_sums(stats, keep, advantages, response, cfg))

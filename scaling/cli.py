@@ -47,7 +47,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from .promote import SweepError, promote
+    from pdm_lab.results import ResultsError
+
+    from .promote import promote
 
     out = Path(args.out)  # --target trl|verl: the pdm run config goes beside the launch file
     run_config = out if args.target == "pdm" else out.with_name(out.name + ".pdm.yaml")
@@ -56,14 +58,17 @@ def cmd_promote(args: argparse.Namespace) -> int:
                 tie_tol=args.tie_tol, keep_base_aggregation=args.keep_base_aggregation)
         if args.target != "pdm":
             from pdm_lab.integrations.launch_files import write_launch_file
-            print(f"[promote] {args.target} launch file → {write_launch_file(args.target, run_config, out)}")
-    except (SweepError, ConfigError, OSError, ValueError) as err:
+
+            from .config import load_config
+            path = write_launch_file(args.target, load_config(run_config), out)
+            print(f"[promote] {args.target} launch file → {path}")
+    except (ResultsError, ConfigError, OSError, ValueError) as err:
         return _fail(str(err))
     return 0
 
 
-def register(subparsers) -> None:
-    """Add ``train`` and ``promote`` to the ``pdm-lab`` command line."""
+def register_train(subparsers) -> None:
+    """``pdm-lab train`` (entry point of group ``pdm_lab.commands``)."""
     p = subparsers.add_parser(
         "train", help="RL training: vLLM rollouts + FSDP2 trainer + the PDM mask (scaling stage)",
         description="Run (or --dry-run) a full RL training loop from a YAML config. Overrides are "
@@ -76,6 +81,9 @@ def register(subparsers) -> None:
                    help="local ranks (default: launch.nproc_per_node); ignored under torchrun")
     p.set_defaults(func=cmd_train)
 
+
+def register_promote(subparsers) -> None:
+    """``pdm-lab promote`` (entry point of group ``pdm_lab.commands``)."""
     q = subparsers.add_parser(
         "promote", help="write a full-run config whose mask: section is a toy sweep's best cell",
         description="Pick the best configuration of a toy sweep (results.json / results.csv) and "
@@ -91,6 +99,12 @@ def register(subparsers) -> None:
     q.add_argument("--target", default="pdm", choices=["pdm", "trl", "verl"],
                    help="pdm: a pdm-lab run config; trl: a PDMGRPOTrainer script; verl: a verl launch script")
     q.set_defaults(func=cmd_promote)
+
+
+def register(subparsers) -> None:
+    """Add ``train`` and ``promote`` (this module's own ``main``)."""
+    register_train(subparsers)
+    register_promote(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:

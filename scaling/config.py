@@ -12,15 +12,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pdm_lab.config import (ConfigError, MaskConfig, apply_overrides, at_least, config_dataclass, from_dict,
-                            in_range, non_negative, positive, to_dict)
+                            in_range, non_negative, one_of, positive, to_dict)
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 TRAIN_DTYPES = ("fp32", "bf16")
-
-
-def _check_choice(where: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ConfigError(f"{where}: unknown value {value!r}; valid: {', '.join(valid)}")
 
 
 @config_dataclass("model.tiny")
@@ -126,7 +121,7 @@ class DataConfig:
     """Generate a synthetic task instead of reading train_files/eval_files."""
 
     def __post_init__(self) -> None:
-        _check_choice("data.on_bad_row", self.on_bad_row, ("error", "skip"))
+        one_of("data.on_bad_row", self.on_bad_row, ("error", "skip"))
         if self.synthetic is None and not self.train_files:
             raise ConfigError("data: give data.train_files or data.synthetic")
         for name in ("prompt_template", "eval_prompt_template"):
@@ -187,8 +182,8 @@ class RolloutConfig:
     """Offset added to the run seed for sampling seeds (per step, per rank, per prompt)."""
 
     def __post_init__(self) -> None:
-        _check_choice("rollout.precision", self.precision, PRECISIONS)
-        _check_choice("rollout.fp8_mode", self.fp8_mode, ("simulate", "native"))
+        one_of("rollout.precision", self.precision, PRECISIONS)
+        one_of("rollout.fp8_mode", self.fp8_mode, ("simulate", "native"))
 
 
 @config_dataclass("trainer")
@@ -222,8 +217,8 @@ class TrainerConfig:
     """Recompute decoder layers in backward."""
 
     def __post_init__(self) -> None:
-        _check_choice("trainer.param_dtype", self.param_dtype, TRAIN_DTYPES)
-        _check_choice("trainer.reduce_dtype", self.reduce_dtype, TRAIN_DTYPES)
+        one_of("trainer.param_dtype", self.param_dtype, TRAIN_DTYPES)
+        one_of("trainer.reduce_dtype", self.reduce_dtype, TRAIN_DTYPES)
         if len(self.betas) != 2:
             raise ConfigError(f"trainer.betas: expected two numbers, got {list(self.betas)}")
 
@@ -248,7 +243,7 @@ class RewardConfig:
     """If the verifier raises: ``skip`` (sample leaves the loss, logged) or ``error`` (stop)."""
 
     def __post_init__(self) -> None:
-        _check_choice("reward.on_error", self.on_error, ("skip", "error"))
+        one_of("reward.on_error", self.on_error, ("skip", "error"))
 
 
 @config_dataclass("eval")
@@ -313,7 +308,7 @@ class LaunchConfig:
     """torch.distributed backend: auto (nccl with CUDA, else gloo), gloo, nccl."""
 
     def __post_init__(self) -> None:
-        _check_choice("launch.backend", self.backend, ("auto", "gloo", "nccl"))
+        one_of("launch.backend", self.backend, ("auto", "gloo", "nccl"))
 
 
 @config_dataclass("provenance")

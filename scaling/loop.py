@@ -10,6 +10,8 @@ step = one rollout batch = ``trainer.mini_batches`` optimiser steps, then one we
 """
 from __future__ import annotations
 
+import functools
+import math
 import random
 import resource
 import sys
@@ -96,19 +98,10 @@ def check_layout(cfg: TrainConfig, lay: Layout) -> int:
     return per_rank
 
 
-class Printer:
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-
-    def __call__(self, *args) -> None:
-        if self.enabled:
-            print(*args, flush=True)
-
-
 def run_training(cfg: TrainConfig) -> Path:
     """Train; returns the run directory. Collective: every rank calls it."""
     lay = init_distributed("auto", cfg.rollout.tensor_parallel_size)
-    say = Printer(lay.is_main)
+    say = functools.partial(print, flush=True) if lay.is_main else (lambda *_: None)
     run_dir = cfg.resolved_run_dir
     per_rank = check_layout(cfg, lay)
 
@@ -272,8 +265,8 @@ def run_training(cfg: TrainConfig) -> Path:
         if step % cfg.log.print_every == 0 or step == cfg.total_steps:
             ev = " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in metrics.items() if k.startswith("eval/") and "@" in k)
             say(f"[train] step {step}/{cfg.total_steps} reward {metrics['reward/mean']:.3f} "
-                f"len {metrics['rollout/response_len']:.1f} kl {metrics.get('mismatch/topk_kl_mean', 0):.2e} "
-                f"drop {metrics.get('mask/frac_dropped', 0):.3f} | gen {metrics['time/generate_s']:.2f}s "
+                f"len {metrics['rollout/response_len']:.1f} kl {metrics.get('mismatch/topk_kl_mean', math.nan):.2e} "
+                f"drop {metrics.get('mask/frac_dropped', math.nan):.3f} | gen {metrics['time/generate_s']:.2f}s "
                 f"train {metrics['time/train_s']:.2f}s sync {metrics['time/sync_s']:.3f}s "
                 f"step {metrics['time/step_s']:.2f}s {ev}")
 

@@ -1,21 +1,19 @@
 """``pdm-lab promote``: carry the best toy-sweep configuration into a full-run config.
 
-Reads a sweep's ``results.json`` (a list of rows, or ``{"rows": [...]}``) or ``results.csv``: one
-row per cell × seed, with the ``MaskConfig`` fields of the cell (rule, delta, k, convention,
-estimator, ...) and its outcome (``final_reward``, ``collapsed``, ``unsafe_keep``, ``cell_id``;
-other columns such as the mismatch kind are kept as provenance). The reader is tolerant: extra
-columns are ignored, numbers may arrive as strings, a missing ``cell_id`` is replaced by the
-cell's mask fields, and rows whose outcome is missing are reported and left out.
+Reads a sweep's table through the core schema (``pdm_lab.results``: typed ``SweepRow``s from
+``results.json`` or ``results.csv``, with a schema version), never the toy stage's code. Every
+path it opens resolves strictly inside the sweep directory; a non-finite configuration value, a
+truncated file or an unknown schema is a one-line error naming the file.
 
 Criterion (default ``reward``): among the cells that never collapsed (no seed collapsed), the
 highest mean final reward over seeds; ties (within ``tie_tol``) go to the lower mean unsafe-keep
 rate, then to the cell id. The mask section comes from ``cells/<cell_id>/config.json`` when the
-sweep wrote one (every MaskConfig field), else from the row. The result is the base config with its ``mask:`` section replaced and
-a ``provenance:`` section (sweep path, cell, criterion, metric values, code version, time).
+sweep wrote one (every MaskConfig field), else from the row. The result is the base config with
+its ``mask:`` section replaced and a ``provenance:`` section (sweep path, cell, criterion, metric
+values, code version, time).
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import datetime
 import json
@@ -25,128 +23,92 @@ from pathlib import Path
 from typing import Any
 
 from pdm_lab.config import MaskConfig, from_dict
+from pdm_lab.results import COLUMNS, ResultsError, SweepRow, cell_path, read_results
 
 from .config import Provenance, load_config, save_config
 
 MASK_FIELDS = tuple(f.name for f in dataclasses.fields(MaskConfig))
+#: the row's columns that are the cell's mask (the rest is outcome and provenance)
+ROW_MASK_FIELDS = ("rule", "delta", "k", "convention", "estimator")
 
 
-class SweepError(ValueError):
+class SweepError(ResultsError):
     """A sweep directory that cannot be promoted from."""
-
-
-def _scalar(value: Any) -> Any:
-    """CSV text → bool / None (empty cell) / int / float / str."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    low = text.lower()
-    if low in ("true", "yes"):
-        return True
-    if low in ("false", "no"):
-        return False
-    if low == "":  # how csv/pandas write None (note: "none" is a mask rule name, kept as text)
-        return None
-    if low == "nan":
-        return math.nan
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def read_results(sweep_dir: Path) -> list[dict]:
-    """Rows of ``results.json`` (preferred) or ``results.csv``, values parsed."""
-    sweep_dir = Path(sweep_dir)
-    js, cs = sweep_dir / "results.json", sweep_dir / "results.csv"
-    if js.exists():
-        data = json.loads(js.read_text(encoding="utf-8"))
-        rows = data.get("rows", data.get("results")) if isinstance(data, dict) else data
-        if not isinstance(rows, list):
-            raise SweepError(f"{js}: expected a list of rows (or {{'rows': [...]}})")
-        return [dict(r) for r in rows if isinstance(r, dict)]  # JSON is typed already
-    if cs.exists():
-        with open(cs, newline="", encoding="utf-8") as fh:
-            return [{k.strip(): _scalar(v) for k, v in r.items() if k} for r in csv.DictReader(fh)]
-    raise SweepError(f"{sweep_dir}: no results.json or results.csv")
-
-
-def mask_of(row: dict) -> dict:
-    """The MaskConfig fields present in a row (None values dropped: the defaults apply)."""
-    out = {}
-    for name in MASK_FIELDS:
-        if name in row and row[name] is not None and not (isinstance(row[name], float) and math.isnan(row[name])):
-            out[name] = row[name]
-    for name in ("k", "horizon"):
-        if isinstance(out.get(name), float) and out[name].is_integer():
-            out[name] = int(out[name])
-    return out
-
-
-def _is_true(value: Any) -> bool:
-    return value is True or (isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0
-                             and not math.isnan(value))
 
 
 @dataclasses.dataclass
 class Cell:
     cell_id: str
-    mask: dict
-    rows: list[dict]
+    rows: list[SweepRow]
 
     @property
     def seeds(self) -> int:
         return len(self.rows)
 
+    @property
+    def mask(self) -> dict:
+        """The mask fields of the cell's rows (``estimator``: the direction metric's, the same)."""
+        return {name: getattr(self.rows[0], name) for name in ROW_MASK_FIELDS}
+
     def mean(self, key: str) -> float:
-        vals = [r[key] for r in self.rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
-                and math.isfinite(r[key])]
+        """Mean of a numeric column over the seeds that measured it (NaN: none did)."""
+        vals = [float(getattr(r, key)) for r in self.rows if math.isfinite(float(getattr(r, key)))]
         return sum(vals) / len(vals) if vals else math.nan
 
     @property
     def collapsed(self) -> bool:
-        return any(_is_true(r.get("collapsed")) for r in self.rows)
+        return any(r.collapsed for r in self.rows)
 
 
-def group_cells(rows: list[dict]) -> tuple[list[Cell], list[str]]:
-    """Group rows by cell; returns (cells, warnings about unusable rows)."""
+def group_cells(rows: list[SweepRow]) -> list[Cell]:
+    """Rows grouped by ``cell_id``; rows of one cell must agree on the mask fields."""
     cells: dict[str, Cell] = {}
-    warnings = []
-    for i, row in enumerate(rows):
-        reward = row.get("final_reward")
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-            warnings.append(f"row {i}: no numeric final_reward ({reward!r}); left out")
-            continue
-        mask = mask_of(row)
-        if "rule" not in mask:
-            warnings.append(f"row {i}: no mask rule; left out")
-            continue
-        cid = row.get("cell_id")
-        cid = str(cid) if cid not in (None, "") else json.dumps(mask, sort_keys=True)
-        cell = cells.setdefault(cid, Cell(cell_id=cid, mask=mask, rows=[]))
-        if cell.mask != mask:
-            warnings.append(f"row {i}: cell {cid} has differing mask fields {mask} vs {cell.mask}")
+    for row in rows:
+        cell = cells.setdefault(row.cell_id, Cell(cell_id=row.cell_id, rows=[]))
         cell.rows.append(row)
-    return list(cells.values()), warnings
+        mask = {name: getattr(row, name) for name in ROW_MASK_FIELDS}
+        if mask != cell.mask:
+            raise SweepError(f"cell {row.cell_id}: rows disagree on the mask ({mask} vs {cell.mask})")
+    return list(cells.values())
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise SweepError(f"{path}: not valid JSON (truncated or corrupt?): {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise SweepError(f"{path}: cannot read: {err}") from None
+
+
+def _finite_mask(where: str, mask: dict) -> dict:
+    for key, value in mask.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SweepError(f"{where}: mask.{key} = {value!r} is not finite")
+    return mask
 
 
 def full_mask(sweep_dir: Path, cell: Cell, log=print) -> dict:
     """The cell's complete mask section: ``cells/<cell_id>/config.json``'s ``mask`` when the sweep
     wrote one (it has every MaskConfig field: ε, cap, aggregation, ...), else the row's fields."""
-    path = Path(sweep_dir) / "cells" / cell.cell_id / "config.json"
-    if not path.exists():
-        return dict(cell.mask)
-    mask = json.loads(path.read_text(encoding="utf-8")).get("mask")
+    path = cell_path(sweep_dir, cell.cell_id, "config.json")
+    if not path.is_file():
+        log(f"[promote] {path}: missing; the mask comes from the results rows")
+        mask = dict(cell.mask)
+        if mask["estimator"] == MaskConfig(rule=mask["rule"]).direction_estimator:
+            del mask["estimator"]  # the rule's own: leave MaskConfig.estimator at None
+        return _finite_mask(f"{sweep_dir} cell {cell.cell_id}", mask)
+    doc = _read_json(path)
+    mask = doc.get("mask") if isinstance(doc, dict) else None
     if not isinstance(mask, dict):
-        return dict(cell.mask)
+        raise SweepError(f"{path}: no 'mask' mapping")
+    mask = _finite_mask(str(path), {k: v for k, v in mask.items() if k in MASK_FIELDS})
     for key, value in cell.mask.items():
-        if key in mask and mask[key] != value:
-            log(f"[promote] {path}: mask.{key}={mask[key]!r} but results rows say {value!r}; using config.json")
-    return {k: v for k, v in mask.items() if k in MASK_FIELDS}
+        if key == "estimator":
+            continue  # the row holds the direction metric's estimator, config.json the override
+        if mask.get(key) != value:
+            raise SweepError(f"{path}: mask.{key}={mask.get(key)!r} but the results rows say {value!r}")
+    return mask
 
 
 CRITERIA = ("reward",)
@@ -191,28 +153,28 @@ def promote(sweep_dir: Path, base: Path, out: Path, *, criterion: str = "reward"
     horizon rarely means anything for 8k-token responses) instead of the cell's.
     """
     rows = read_results(sweep_dir)
-    cells, warnings = group_cells(rows)
-    for w in warnings[:10]:
-        log(f"[promote] {w}")
+    cells = group_cells(rows)
     if not cells:
-        raise SweepError(f"{sweep_dir}: no usable rows ({len(rows)} read)")
+        raise SweepError(f"{sweep_dir}: no rows")
     best = choose(cells, criterion=criterion, tie_tol=tie_tol)
     base_cfg = load_config(base)
     fields = full_mask(sweep_dir, best, log)
     if keep_base_aggregation:
         fields.update(aggregation=base_cfg.mask.aggregation, horizon=base_cfg.mask.horizon)
     mask = from_dict(MaskConfig, fields, where="mask")
-    extra_keys = sorted({k for r in best.rows for k in r} - set(MASK_FIELDS) - {"seed"})
     metrics: dict[str, Any] = {"seeds": best.seeds, "collapsed_any": best.collapsed,
                                "cells_total": len(cells),
                                "cells_collapsed": sum(c.collapsed for c in cells)}
-    for key in extra_keys:
-        vals = [r.get(key) for r in best.rows]
-        nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
-        if nums and len(nums) == len(vals):
-            metrics[f"{key}_mean"] = sum(nums) / len(nums)
-        elif len({json.dumps(v, default=str) for v in vals}) == 1 and not isinstance(vals[0], (list, dict)):
-            metrics[key] = vals[0]
+    outcomes = COLUMNS[COLUMNS.index("initial_reward"):]  # the rest describes the cell
+    for f in dataclasses.fields(SweepRow):
+        if f.name in ("seed", "cell_id", "schema_version") or f.name in ROW_MASK_FIELDS:
+            continue
+        values = [getattr(r, f.name) for r in best.rows]
+        if f.name in outcomes and f.type in ("float", "int"):
+            mean = best.mean(f.name)
+            metrics[f"{f.name}_mean"] = mean if math.isfinite(mean) else None  # None: n/a
+        elif len(set(values)) == 1:
+            metrics[f.name] = values[0]
     prov = Provenance(
         sweep_dir=str(sweep_dir), cell_id=best.cell_id,
         criterion=f"{criterion}: highest mean final_reward among never-collapsed cells; ties "

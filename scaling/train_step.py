@@ -21,9 +21,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pdm_lab.loss import pdm_policy_loss
-from pdm_lab.metrics import step_metrics
+from pdm_lab.metrics import MetricSums, all_reduce_metrics, as_mismatch, finalize_floats, merge_metrics, metric
 from pdm_lab.policy_side import PolicyOnSupport
-from pdm_lab.stats import TokenStats
 from pdm_lab.support import support_from_topk
 
 from .rollout import RolloutBatch
@@ -110,78 +109,11 @@ def micro_batch_policy(policy, mb: MicroBatch, support, temperature: float,
     return PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq)
 
 
-def _concat_stats(parts: list[TokenStats]) -> TokenStats:
-    fields = {}
-    for f in dataclasses.fields(TokenStats):
-        vals = [getattr(p, f.name) for p in parts]
-        if f.name == "ddot":
-            fields[f.name] = {key: torch.cat([v[key] for v in vals]) for key in vals[0]}
-        elif vals[0] is None:
-            fields[f.name] = None
-        else:
-            fields[f.name] = torch.cat(vals)
-    return TokenStats(**fields)
-
-
-# metrics combined across ranks: weight of each key (default: response tokens)
-_WEIGHT_OF = {"mask/dir_disagree": "outside", "mask/ddot_sign_certified": "outside",
-              "mask/frac_dropped_pos": "pos", "mask/frac_dropped_neg": "neg"}
-
-
-# the first mini-batch sees the rollout's μ against the trainer's π before any update
-_MISMATCH_KEYS = {"div/topk_kl_mean": "mismatch/topk_kl_mean", "div/topk_kl_max": "mismatch/topk_kl_max",
-                  "div/topk_tv_mean": "mismatch/topk_tv_mean", "ratio/min": "mismatch/ratio_min",
-                  "ratio/max": "mismatch/ratio_max", "mask/frac_outside": "mismatch/frac_outside",
-                  "mask/dir_disagree": "mismatch/dir_disagree"}
-
-
-def reduce_metrics(local: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
-    """Combine per-rank metric dicts: weighted means, max of ``*_max``, min of ``*_min``, sums of
-    ``tokens/*``. ``counts``: this rank's tokens / outside / pos / neg counts."""
-    keys = sorted(local)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return dict(local)
-    sums = torch.zeros(2 * len(keys), dtype=torch.float64)
-    maxes = torch.full((len(keys),), float("-inf"), dtype=torch.float64)
-    mins = torch.full((len(keys),), float("inf"), dtype=torch.float64)
-    for i, key in enumerate(keys):
-        w = counts[_WEIGHT_OF.get(key, "tokens")]
-        if key.endswith("_max"):
-            maxes[i] = local[key] if counts["tokens"] > 0 else float("-inf")
-        elif key.endswith("_min"):
-            mins[i] = local[key] if counts["tokens"] > 0 else float("inf")
-        elif key.startswith("tokens/"):
-            sums[2 * i], sums[2 * i + 1] = local[key], 1.0
-        else:
-            sums[2 * i], sums[2 * i + 1] = local[key] * w, w
-    dist.all_reduce(sums)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-    dist.all_reduce(mins, op=dist.ReduceOp.MIN)
-    out = {}
-    for i, key in enumerate(keys):
-        if key.endswith("_max"):
-            out[key] = float(maxes[i]) if maxes[i] > float("-inf") else 0.0
-        elif key.endswith("_min"):
-            out[key] = float(mins[i]) if mins[i] < float("inf") else 0.0
-        elif key.startswith("tokens/"):
-            out[key] = float(sums[2 * i])
-        else:
-            out[key] = float(sums[2 * i] / sums[2 * i + 1]) if sums[2 * i + 1] > 0 else 0.0
-    return out
-
-
 def _global_counts(n_tokens: int, n_seqs: int) -> tuple[float, float]:
     t = torch.tensor([float(n_tokens), float(n_seqs)], dtype=torch.float64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return float(t[0]), float(t[1])
-
-
-def _all_sum(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return float(t[0])
 
 
 def split(n: int, parts: int) -> list[list[int]]:
@@ -221,13 +153,13 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
     for group in optimizer.param_groups:
         group["lr"] = lr
     times = {"forward_backward": 0.0, "loss": 0.0, "optimizer": 0.0}
-    metrics: dict[str, float] = {}
+    sums: MetricSums = {}
     for mb_index, mini in enumerate(split(len(batch), tcfg.mini_batches)):
         micro_rows = [mini[i:i + tcfg.micro_batch_size] for i in range(0, len(mini), tcfg.micro_batch_size)]
         micros = [make_micro_batch(batch, rows, seq_adv, pad_id).to(device or "cpu") for rows in micro_rows]
         n_tok, n_seq = _global_counts(sum(m.n_tokens for m in micros), sum(m.n_seqs for m in micros))
-        stats_parts, keep_parts, adv_parts, resp_parts = [], [], [], []
-        loss_total = 0.0
+        parts: list[MetricSums] = []
+        loss_sum = loss_weight = 0.0  # Σ loss·w and Σ w over micro-batches (w: tokens or sequences)
         for mb in micros:
             t0 = time.perf_counter()
             support = micro_batch_support(mb, mask_cfg, vocab_size)
@@ -240,11 +172,10 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
             t3 = time.perf_counter()
             times["loss"] += t2 - t1
             times["forward_backward"] += (t1 - t0) + (t3 - t2)
-            loss_total += float(out.loss.detach()) * share
-            stats_parts.append(out.stats)
-            keep_parts.append(out.keep.reshape(-1))
-            adv_parts.append(mb.advantages.reshape(-1))
-            resp_parts.append(mb.response_mask.reshape(-1))
+            weight = mb.n_tokens if per_token else mb.n_seqs
+            loss_sum += float(out.loss.detach()) * weight
+            loss_weight += weight
+            parts.append(out.metric_sums)
         t0 = time.perf_counter()
         grad_norm = None
         if tcfg.grad_clip is not None:
@@ -254,28 +185,13 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times["optimizer"] += time.perf_counter() - t0
-        t1 = time.perf_counter()
-        adv, resp = torch.cat(adv_parts), torch.cat(resp_parts).bool()
-        local = {k: float(v) for k, v in step_metrics(_concat_stats(stats_parts), torch.cat(keep_parts),
-                                                       adv, resp, mask_cfg).items()}
-        times["loss"] += time.perf_counter() - t1
-        counts = {"tokens": float(resp.sum()), "pos": float((resp & (adv > 0)).sum()),
-                  "neg": float((resp & (adv < 0)).sum()),
-                  "outside": local.get("mask/frac_outside", 0.0) * float(resp.sum())}
-        reduced = reduce_metrics(local, counts)
-        reduced["loss/policy"] = _all_sum(loss_total)  # the shares sum to 1 over micro-batches and ranks
-        if grad_norm is not None:
-            reduced["loss/grad_norm"] = float(grad_norm)
+        parts.append({"loss/policy": metric("mean", loss_sum, loss_weight)})
+        if grad_norm is not None:  # already global: every rank adds the same value once
+            parts.append({"loss/grad_norm": metric("mean", grad_norm)})
         if mb_index == 0:  # before any optimiser step of this batch: the realised mismatch
-            metrics.update({new: reduced[old] for old, new in _MISMATCH_KEYS.items() if old in reduced})
-        for key, value in reduced.items():
-            metrics.setdefault(key, 0.0)
-            if key.endswith("_max"):
-                metrics[key] = max(metrics[key], value) if mb_index else value
-            elif key.endswith("_min"):
-                metrics[key] = min(metrics[key], value) if mb_index else value
-            elif key.startswith("tokens/"):
-                metrics[key] += value
-            else:
-                metrics[key] += value / tcfg.mini_batches
+            parts.append(as_mismatch(merge_metrics(*parts)))
+        sums = merge_metrics(sums, *parts)
+    t1 = time.perf_counter()
+    metrics = finalize_floats(all_reduce_metrics(sums))  # one exact merge over ranks: 3 collectives
+    times["loss"] += time.perf_counter() - t1
     return UpdateResult(metrics=metrics, times=times)

@@ -10,7 +10,7 @@ from pdm_lab.audit import paired_bootstrap_ci, sign_test, unsafe_keep_rates
 def test_rates():
     dd = torch.tensor([0.1, -0.2, 0.0, 0.3, -0.1])
     out = unsafe_keep_rates(dd, torch.tensor([True, True, True, False, True]))
-    assert out == {"unsafe_keep": 0.25, "shrink": 0.5, "count": 4}
+    assert out == {"unsafe_keep": 0.25, "shrink": 0.5, "count": 4, "unsafe_count": 1, "shrink_count": 2}
     assert math.isnan(unsafe_keep_rates(dd, torch.zeros(5, dtype=torch.bool))["unsafe_keep"])
 
 

@@ -26,6 +26,7 @@ def test_chunked_matches_reference(n, vocab, m, temperature, chunk, seed):
     torch.testing.assert_close(grad_fast, grad_ref)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_gather_equals_eager(dtype):
     torch.manual_seed(1)
@@ -64,6 +65,7 @@ def test_tail_far_below_float32_underflow_is_finite():
     assert torch.isfinite(out.tail_log_sumsq).all()
 
 
+@pytest.mark.compile
 def test_compiled_stats_equal_eager():
     """The compiled fast path runs the very same functions; it must agree with eager."""
     from core_helpers import mismatched_pair, sample_from

@@ -138,6 +138,7 @@ def _same_support(a, b):
         torch.testing.assert_close(getattr(a, f), getattr(b, f), rtol=1e-12, atol=1e-12, msg=f)
 
 
+@pytest.mark.compile
 def test_compiled_support_matches_eager():
     """The torch.compile path builds the same support as eager, and fails with the same message."""
     for seed in range(3):

@@ -51,7 +51,7 @@ def test_quick_preset_end_to_end(tmp_path):
 
 
 def test_audit_command_writes_json_and_summary(tmp_path):
-    res = run("audit", "--seeds", "3", "--sequences", "256", "--k-sweep", "5", "20",
+    res = run("audit", "--seeds", "3", "sequences=256", "k_sweep=[5,20]",
               "--out", str(tmp_path / "a"), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((tmp_path / "a" / "audit.json").read_text())
@@ -60,14 +60,16 @@ def test_audit_command_writes_json_and_summary(tmp_path):
     assert (tmp_path / "a" / "audit_k_sweep.png").exists()
 
 
-def test_sweep_from_a_yaml_config_with_flag_overrides(tmp_path):
+def test_sweep_from_a_yaml_config_with_key_path_overrides(tmp_path):
+    """Preset, then the YAML file, then key.path=value overrides (the same syntax as `train`)."""
     cfg = tmp_path / "grid.yaml"
-    cfg.write_text("base:\n  problem:\n    kind: bandit\n  steps: 2\n  groups_per_step: 8\n"
+    cfg.write_text("base:\n  problem:\n    kind: bandit\n  steps: 5\n  groups_per_step: 8\n"
                    "rules: [ppo_clip, pdm_agg]\nmismatches: [none]\nseeds: 1\n")
-    res = run("sweep", "--config", str(cfg), "--kinds", "noise", "tail_noise", "--strengths", "0.5",
-              "--deltas", "0.05", "--out", str(tmp_path / "s"), "--no-audit", "--quiet", "--workers", "1")
+    res = run("sweep", "--config", str(cfg), "mismatches=[noise:0.5,tail_noise:0.5]", "--out", str(tmp_path / "s"),
+              "deltas=[0.05]", "base.steps=2", "--no-audit", "--quiet", "--workers", "1")
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads((tmp_path / "s" / "results.json").read_text())
+    rows = json.loads((tmp_path / "s" / "results.json").read_text())["rows"]
+    assert {r["steps"] for r in rows} == {2}  # the override wins over the file
     assert {(r["rule"], r["mismatch"], r["delta"]) for r in rows} == {
         (rule, mm, 0.05) for rule in ("ppo_clip", "pdm_agg") for mm in ("noise:0.5", "tail_noise:0.5")}
     assert {r["estimator"] for r in rows if r["rule"] == "pdm_agg"} == {"agg"}
@@ -78,3 +80,7 @@ def test_unknown_yaml_key_is_a_clear_error(tmp_path):
     cfg.write_text("rulez: [none]\n")
     res = run("sweep", "--config", str(cfg), "--out", str(tmp_path / "s"))
     assert res.returncode != 0 and "rulez" in res.stderr and "rules" in res.stderr
+    res = run("sweep", "base.stepz=3", "--out", str(tmp_path / "s"))
+    assert res.returncode == 2 and "did you mean 'steps'" in res.stderr and res.stderr.count("\n") == 1
+    res = run("audit", "rules=[dppo_topk_kl,pdm_topkk]", "--out", str(tmp_path / "a"))
+    assert res.returncode == 2 and "did you mean 'pdm_topk'" in res.stderr

@@ -15,6 +15,7 @@ from pdm_lab.envs.executors import LocalExecutor, make_executor
 from pdm_lab.envs.problems import ProblemConfig
 from pdm_lab.envs.sweep import COLUMNS, SweepConfig, cell_id, load_runs, mismatch_axis, run_sweep
 from pdm_lab.envs.train import TrainConfig
+from pdm_lab.results import read_results
 
 TINY = SweepConfig(
     base=TrainConfig(problem=ProblemConfig(kind="bandit"), steps=2, groups_per_step=8, group_size=8),
@@ -50,8 +51,12 @@ def test_table_has_one_row_per_cell_and_seed(tmp_path):
     assert len(rows) == 8 and tuple(rows[0]) == COLUMNS
     assert {(r["rule"], r["mismatch"], r["seed"]) for r in rows} == {
         (rule, mm, str(s)) for rule in TINY.rules for mm in TINY.mismatches for s in (0, 1)}
-    as_json = json.loads((tmp_path / "results.json").read_text())
+    as_json = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert len(as_json) == 8 and as_json[0]["estimator"] == MaskConfig(rule=as_json[0]["rule"]).direction_estimator
+    typed = read_results(tmp_path)  # the core schema reads what the sweep wrote
+    assert [r.cell_id for r in typed] == [r["cell_id"] for r in rows]
+    for r in typed:  # exact pooled counts behind the rates
+        assert r.unsafe_keep_count == 0 or r.unsafe_keep == r.unsafe_count / r.unsafe_keep_count
     for cell in TINY.cells():
         for seed in (0, 1):
             log = tmp_path / "cells" / cell_id(cell) / f"seed_{seed}.jsonl"
@@ -78,9 +83,8 @@ def _cli(*args):
 def test_kill_mid_sweep_then_resume_loses_only_runs_in_flight(tmp_path):
     out = tmp_path / "sweep"
     args = _cli() + ["sweep", "--out", str(out), "--no-audit", "--quiet", "--workers", "2",
-                     "--problem", "bandit", "--policy", "tabular", "--steps", "6",
-                     "--rules", "dppo_topk_kl", "pdm_uniform", "--mismatch", "none", "noise:1",
-                     "--seeds", "4"]
+                     "base.problem.kind=bandit", "base.policy=tabular", "base.steps=6",
+                     "rules=[dppo_topk_kl,pdm_uniform]", "mismatches=[none,noise:1]", "--seeds", "4"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and len(list(out.glob("cells/*/seed_*.json"))) < 2:

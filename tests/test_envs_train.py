@@ -80,3 +80,33 @@ def test_divergence_to_non_finite_parameters_is_a_collapse_not_a_crash():
     object.__setattr__(cfg, "lr", float("inf"))  # the config refuses inf (issue 9); force it to test the loop's guard
     out = train(cfg)
     assert out["nonfinite"] and out["collapsed"] and math.isnan(out["final_reward"])
+
+
+def test_eval_sequences_sets_the_evaluation_sample():
+    from pdm_lab.envs.policies import make_policy
+    from pdm_lab.envs.problems import make_problem
+
+    cfg = TrainConfig(problem=ProblemConfig(kind="token_mdp"), policy="neural", steps=0, eval_sequences=5)
+    out = train(cfg)
+    problem = make_problem(cfg.problem)
+    policy = make_policy(cfg.policy, problem.encoder, problem.prior, seed=cfg.seed, hidden=cfg.hidden)
+    five, default = problem.evaluate(policy, 0, num_sequences=5), problem.evaluate(policy, 0)
+    assert five != default  # the two sample sizes give different estimates here
+    assert out["initial_reward"] == out["final_reward"] == five
+    assert math.isnan(out["dir_disagree"]) and out["unsafe_keep_count"] == 0  # no step: n/a, not 0
+
+
+def test_stage_configs_raise_config_error_with_a_hint():
+    from pdm_lab.config import ConfigError
+    from pdm_lab.envs.sweep import SweepConfig
+
+    with pytest.raises(ConfigError, match="did you mean 'adam'"):
+        TrainConfig(optimizer="adamw")
+    with pytest.raises(ConfigError, match="did you mean 'neural'"):
+        TrainConfig(policy="nerual")
+    with pytest.raises(ConfigError, match="eval_sequences"):
+        TrainConfig(eval_sequences=0)
+    with pytest.raises(ConfigError, match="did you mean 'bandit'"):
+        ProblemConfig(kind="bandits")
+    with pytest.raises(ConfigError, match="seeds"):
+        SweepConfig(seeds=0)

@@ -3,6 +3,7 @@ settings and the provenance; it parses as Python / bash; top-K rules are refused
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,14 +20,23 @@ REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "scaling" / "configs" / "qwen3-4b-base-dapo.yaml"
 
 
-def _sweep(tmp_path, rule, extra=None):
-    rows = [{"cell_id": "c_win", "rule": rule, "delta": 0.1, "k": 20, "convention": "union", "seed": s,
-             "final_reward": 0.8, "collapsed": False, "unsafe_keep": 0.2, **(extra or {})} for s in range(2)]
-    rows += [{"cell_id": "c_lose", "rule": "none", "seed": s, "final_reward": 0.1, "collapsed": False}
+def _sweep(tmp_path, rule):
+    from pdm_lab.results import SweepRow, write_results
+
+    base = SweepRow(cell_id="c_win", seed=0, problem="bandit", policy="tabular", rule=rule, delta=0.1, k=20,
+                    convention="union", estimator=MaskConfig(rule=rule).direction_estimator, mismatch="none",
+                    mismatch_kind="none", mismatch_strength=0.0, optimizer="adam", lr=0.05, steps=5, epochs=1,
+                    minibatches=1, initial_reward=0.1, final_reward=0.8, collapsed=False, nonfinite=False,
+                    realised_topk_kl_mean=0.0, realised_topk_kl_max=0.0, realised_full_kl_mean=0.0,
+                    realised_full_kl_max=0.0, update_topk_kl_mean=0.0, mask_fraction=0.0, outside_fraction=0.0,
+                    dir_disagree=float("nan"), unsafe_keep=0.2, shrink=0.8, unsafe_keep_count=10,
+                    unsafe_count=2, shrink_count=8, wall_s=1.0)
+    rows = [dataclasses.replace(base, seed=s) for s in range(2)]
+    rows += [dataclasses.replace(base, cell_id="c_lose", rule="none", estimator="topk", seed=s, final_reward=0.1)
              for s in range(2)]
     sweep = tmp_path / "sweep"
     sweep.mkdir()
-    (sweep / "results.json").write_text(json.dumps(rows))
+    write_results(sweep, rows)
     return sweep
 
 

@@ -1,31 +1,39 @@
-"""Promotion from a toy sweep: the criterion, a tolerant reader (JSON and CSV, strings for numbers,
-missing cell ids, extra columns, unusable rows), and a written config that loads and validates."""
+"""Promotion from a toy sweep through the core results schema: the criterion, the written config,
+and every bad sweep refused in one line (paths outside the sweep, non-finite values, truncated or
+foreign files)."""
 from __future__ import annotations
 
-import csv
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pdm_lab.config import MaskConfig
+from pdm_lab.results import SCHEMA_VERSION, ResultsError, SweepRow, read_results, write_results
 from pdm_lab.scaling.config import load_config
-from pdm_lab.scaling.promote import SweepError, choose, group_cells, promote, read_results
+from pdm_lab.scaling.promote import SweepError, choose, group_cells, promote
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "scaling" / "configs" / "qwen3-4b-base-dapo.yaml"
 
 
-def cell_rows(cell_id, rule, rewards, *, collapsed=(), unsafe=0.3, delta=0.15, estimator="uniform",
-              extra=None):
-    rows = []
-    for seed, r in enumerate(rewards):
-        rows.append({"cell_id": cell_id, "rule": rule, "delta": delta, "k": 20, "convention": "union",
-                     "estimator": estimator, "mismatch_kind": "fp8", "mismatch_strength": 0.5,
-                     "seed": seed, "final_reward": r, "collapsed": seed in collapsed, "unsafe_keep": unsafe,
-                     **(extra or {})})
-    return rows
+def row(cell_id, rule, reward, seed, *, collapsed=False, unsafe=0.3, delta=0.15, estimator="uniform"):
+    return SweepRow(
+        cell_id=cell_id, seed=seed, problem="bandit", policy="tabular", rule=rule, delta=delta, k=20,
+        convention="union", estimator=estimator, mismatch="fp8_e4m3_weights:0.5", mismatch_kind="fp8",
+        mismatch_strength=0.5, optimizer="adam", lr=0.05, steps=10, epochs=1, minibatches=1,
+        initial_reward=0.1, final_reward=reward, collapsed=collapsed, nonfinite=False,
+        realised_topk_kl_mean=0.01, realised_topk_kl_max=0.2, realised_full_kl_mean=0.02,
+        realised_full_kl_max=0.3, update_topk_kl_mean=0.01, mask_fraction=0.05, outside_fraction=0.1,
+        dir_disagree=math.nan, unsafe_keep=unsafe, shrink=1 - unsafe, unsafe_keep_count=100,
+        unsafe_count=round(100 * unsafe), shrink_count=100 - round(100 * unsafe), wall_s=1.0)
+
+
+def cell_rows(cell_id, rule, rewards, *, collapsed=(), **kw):
+    return [row(cell_id, rule, r, seed, collapsed=seed in collapsed, **kw) for seed, r in enumerate(rewards)]
 
 
 SWEEP = (cell_rows("c_ratio", "ppo_clip", [0.70, 0.72])
@@ -35,40 +43,63 @@ SWEEP = (cell_rows("c_ratio", "ppo_clip", [0.70, 0.72])
          + cell_rows("c_dppo", "dppo_topk_kl", [0.75, 0.77]))
 
 
+def sweep_dir(tmp_path, rows=SWEEP, name="sweep") -> Path:
+    out = tmp_path / name
+    out.mkdir()
+    write_results(out, rows)
+    return out
+
+
 def test_criterion_excludes_collapse_and_breaks_ties_by_unsafe_keep():
-    cells, warnings = group_cells(SWEEP)
-    assert not warnings and len(cells) == 5
-    best = choose(cells)
-    assert best.cell_id == "c_pdm_b"  # ties with c_pdm_a on mean reward, lower unsafe-keep
+    cells = group_cells(SWEEP)
+    assert len(cells) == 5
+    assert choose(cells).cell_id == "c_pdm_b"  # ties with c_pdm_a on mean reward, lower unsafe-keep
     assert choose([c for c in cells if c.cell_id != "c_pdm_b"]).cell_id == "c_pdm_a"
     with pytest.raises(SweepError, match="every one of the 1 cells collapsed"):
         choose([c for c in cells if c.cell_id == "c_collapse"])
+    with pytest.raises(SweepError, match="disagree on the mask"):
+        group_cells(cell_rows("c", "pdm_topk", [0.5]) + cell_rows("c", "pdm_agg", [0.5]))
 
 
 def test_promote_from_json_writes_a_runnable_config(tmp_path):
-    sweep = tmp_path / "sweep"
-    sweep.mkdir()
-    (sweep / "results.json").write_text(json.dumps(SWEEP))
+    sweep = sweep_dir(tmp_path)
     out = tmp_path / "promoted.yaml"
     prov = promote(sweep, BASE, out, log=lambda *_: None)
     cfg = load_config(out)  # the written file loads with the same schema
     base = load_config(BASE)
-    assert cfg.mask == MaskConfig(rule="pdm_uniform", delta=0.05, k=20, convention="union", estimator="uniform")
+    assert cfg.mask == MaskConfig(rule="pdm_uniform", delta=0.05, k=20, convention="union")  # own estimator
+    assert cfg.mask.direction_estimator == "uniform"
     assert cfg.rollout == base.rollout and cfg.trainer == base.trainer and cfg.model == base.model
     assert cfg.provenance.cell_id == "c_pdm_b" and cfg.provenance.sweep_dir == str(sweep)
     m = cfg.provenance.metrics
     assert m["final_reward_mean"] == pytest.approx(0.81) and m["unsafe_keep_mean"] == pytest.approx(0.31)
-    assert m["mismatch_kind"] == "fp8" and m["seeds"] == 2 and m["cells_collapsed"] == 1
+    assert m["dir_disagree_mean"] is None  # n/a, never 0.0
+    assert m["mismatch_kind"] == "fp8" and m["lr"] == 0.05 and m["seeds"] == 2 and m["cells_collapsed"] == 1
     assert cfg.provenance.code_version and cfg.provenance.created.endswith("Z")
     assert "criterion" in prov and "never-collapsed" in prov["criterion"]
     text = out.read_text()
     assert text.startswith("# promoted from toy sweep") and "pdm-lab train --config" in text
 
 
+def test_csv_reads_back_the_same_rows(tmp_path):
+    sweep = sweep_dir(tmp_path)
+    from_json = read_results(sweep)
+    (sweep / "results.json").unlink()
+    from_csv = read_results(sweep)
+
+    def same(a, b):
+        return all(x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))
+                   for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b)))
+
+    assert len(from_csv) == len(SWEEP) and all(same(a, b) for a, b in zip(from_json, from_csv))
+    assert all(same(a, b) for a, b in zip(from_csv, SWEEP))
+    assert all(math.isnan(r.dir_disagree) for r in from_csv)  # empty CSV cell: n/a
+    assert {r.rule for r in from_csv} >= {"none", "pdm_topk"}  # the rule called "none" stays a rule
+
+
 def test_full_mask_from_the_cells_config(tmp_path):
-    sweep = tmp_path / "sweep"
+    sweep = sweep_dir(tmp_path)
     (sweep / "cells" / "c_pdm_b").mkdir(parents=True)
-    (sweep / "results.json").write_text(json.dumps(SWEEP))
     full = {"rule": "pdm_uniform", "delta": 0.05, "k": 20, "convention": "union", "estimator": "uniform",
             "eps_high": 0.3, "clip_ratio_c": 2.0, "aggregation": "seq-mean-token-mean"}
     (sweep / "cells" / "c_pdm_b" / "config.json").write_text(json.dumps({"mask": full, "lr": 0.05}))
@@ -78,70 +109,109 @@ def test_full_mask_from_the_cells_config(tmp_path):
     promote(sweep, BASE, out, keep_base_aggregation=True, log=lambda *_: None)
     kept = load_config(out).mask
     assert (kept.aggregation, kept.horizon) == ("seq-mean-token-sum-norm", 8192) and kept.eps_high == 0.3
+    (sweep / "cells" / "c_pdm_b" / "config.json").write_text(json.dumps({"mask": {**full, "delta": 0.15}}))
+    with pytest.raises(SweepError, match="mask.delta=0.15 but the results rows say 0.05"):
+        promote(sweep, BASE, out, log=lambda *_: None)
 
 
-def test_promote_from_csv_with_strings_and_missing_cell_ids(tmp_path):
-    sweep = tmp_path / "sweep_csv"
-    sweep.mkdir()
-    rows = [dict(r) for r in SWEEP]
-    for r in rows:
-        r.pop("cell_id")
-        r["clip_ratio_c"] = ""  # empty → None (default)
-        r["notes"] = "extra column"
-    rows.append({"rule": "pdm_agg", "final_reward": "", "collapsed": "False"})  # no outcome: left out
-    with open(sweep / "results.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=sorted({k for r in rows for k in r}))
-        w.writeheader()
-        w.writerows(rows)
-    parsed = read_results(sweep)
-    assert parsed[0]["delta"] == 0.15 and parsed[0]["collapsed"] is False and parsed[0]["k"] == 20
-    assert {r["rule"] for r in parsed} >= {"none", "pdm_topk"}  # the rule called "none" stays a rule
-    logs = []
-    out = tmp_path / "p.yaml"
-    promote(sweep, BASE, out, log=logs.append)
-    assert any("no numeric final_reward" in x for x in logs)
-    cfg = load_config(out)
-    assert cfg.mask.rule == "pdm_uniform" and cfg.mask.delta == 0.05 and cfg.mask.clip_ratio_c is None
-    assert cfg.provenance.cell_id.startswith("{")  # made from the mask fields
+def _one_line(err: Exception) -> str:
+    text = str(err)
+    assert "\n" not in text
+    return text
 
 
-def test_bad_sweeps(tmp_path):
-    with pytest.raises(SweepError, match="no results.json or results.csv"):
+def test_bad_sweeps_are_one_line_errors_naming_the_file(tmp_path):
+    with pytest.raises(ResultsError, match="no results.json or results.csv"):
         promote(tmp_path, BASE, tmp_path / "x.yaml")
-    (tmp_path / "results.json").write_text(json.dumps({"rows": [{"rule": "pdm_topk"}]}))
-    with pytest.raises(SweepError, match="no usable rows"):
-        promote(tmp_path, BASE, tmp_path / "x.yaml", log=lambda *_: None)
-    (tmp_path / "results.json").write_text(json.dumps(cell_rows("c", "not_a_rule", [0.5])))
+    sweep = sweep_dir(tmp_path)
+    js = sweep / "results.json"
+    full = js.read_text()
+    js.write_text(full[: len(full) // 2])  # truncated mid-write
+    with pytest.raises(ResultsError) as err:
+        promote(sweep, BASE, tmp_path / "x.yaml")
+    assert str(js) in _one_line(err.value) and "truncated" in str(err.value)
+
+    doc = json.loads(full)
+    doc["rows"][0]["delta"] = float("nan")  # Python's json writes NaN; the reader refuses it
+    js.write_text(json.dumps(doc))
+    with pytest.raises(ResultsError, match=r"row 0\.delta: must be finite"):
+        promote(sweep, BASE, tmp_path / "x.yaml")
+    doc["rows"][0]["delta"] = None
+    js.write_text(json.dumps(doc))
+    with pytest.raises(ResultsError, match=r"row 0\.delta: must be finite"):
+        promote(sweep, BASE, tmp_path / "x.yaml")
+
+    js.write_text(json.dumps({**json.loads(full), "schema_version": SCHEMA_VERSION + 1}))
+    with pytest.raises(ResultsError, match="schema_version"):
+        promote(sweep, BASE, tmp_path / "x.yaml")
+    js.write_text(json.dumps(json.loads(full)["rows"]))  # an older, unversioned table
+    with pytest.raises(ResultsError, match="schema_version"):
+        promote(sweep, BASE, tmp_path / "x.yaml")
+
+    bad_rule = sweep_dir(tmp_path, cell_rows("c", "not_a_rule", [0.5]), "bad_rule")
     with pytest.raises(Exception, match="mask.rule"):
-        promote(tmp_path, BASE, tmp_path / "x.yaml", log=lambda *_: None)
+        promote(bad_rule, BASE, tmp_path / "x.yaml", log=lambda *_: None)
+
+
+def test_paths_stay_inside_the_sweep_directory(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text(json.dumps({"mask": {"rule": "none"}}))
+    doc = {"schema_version": SCHEMA_VERSION, "rows": [dataclasses.asdict(r) for r in cell_rows("x", "none", [0.9])]}
+    for crafted in ("../../../outside", "../outside", "/abs", "a/b", ".."):
+        sweep = tmp_path / f"s{abs(hash(crafted))}"
+        (sweep / "cells").mkdir(parents=True)
+        doc["rows"][0]["cell_id"] = crafted
+        (sweep / "results.json").write_text(json.dumps(doc))
+        with pytest.raises(ResultsError, match="cell_id") as err:
+            promote(sweep, BASE, tmp_path / "x.yaml", log=lambda *_: None)
+        _one_line(err.value)
+    sweep = sweep_dir(tmp_path, cell_rows("linked", "none", [0.9]), "linked_sweep")
+    (sweep / "cells").mkdir()
+    (sweep / "cells" / "linked").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(ResultsError, match="outside the sweep directory"):
+        promote(sweep, BASE, tmp_path / "x.yaml", log=lambda *_: None)
+
+
+def test_non_finite_or_truncated_cell_config(tmp_path):
+    sweep = sweep_dir(tmp_path)
+    cfg_path = sweep / "cells" / "c_pdm_b" / "config.json"
+    cfg_path.parent.mkdir(parents=True)
+    cfg_path.write_text('{"mask": {"rule": "pdm_uniform", "delta": NaN, "k": 20, "convention": "union"}}')
+    with pytest.raises(SweepError, match="mask.delta = nan is not finite"):
+        promote(sweep, BASE, tmp_path / "x.yaml", log=lambda *_: None)
+    cfg_path.write_text('{"mask": {"rule": "pdm_uni')
+    with pytest.raises(SweepError) as err:
+        promote(sweep, BASE, tmp_path / "x.yaml", log=lambda *_: None)
+    assert str(cfg_path) in _one_line(err.value)
 
 
 def test_promote_cli(tmp_path, capsys):
     from pdm_lab.cli import main
 
-    sweep = tmp_path / "s"
-    sweep.mkdir()
-    (sweep / "results.json").write_text(json.dumps(SWEEP))
+    sweep = sweep_dir(tmp_path, name="s")
     out = tmp_path / "o.yaml"
     assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out)]) == 0
     assert yaml.safe_load(out.read_text())["mask"]["rule"] == "pdm_uniform"
+    capsys.readouterr()
     assert main(["promote", str(tmp_path / "missing"), "--base", str(BASE), "--out", str(out)]) == 2
-    assert "no results.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no results.json" in err and err.count("\n") == 1
 
 
 def test_promote_from_a_real_toy_sweep(tmp_path):
-    """The toy stage's own sweep output (columns, cells/<id>/config.json) promotes unchanged."""
-    pytest.importorskip("pdm_lab.envs.sweep")
+    """The toy stage's own sweep output (results schema, cells/<id>/config.json) promotes unchanged."""
     from pdm_lab.cli import main
 
     out_dir = tmp_path / "sweep"
-    assert main(["sweep", "--rules", "dppo_topk_kl", "pdm_uniform", "--mismatch", "noise:1", "--seeds", "2",
-                 "--steps", "3", "--workers", "1", "--no-audit", "--quiet", "--out", str(out_dir)]) == 0
+    assert main(["sweep", "--preset", "quick", "rules=[dppo_topk_kl,pdm_uniform]", "mismatches=[noise:1]",
+                 "base.problem.kind=bandit", "base.policy=tabular", "base.steps=3", "--seeds", "2",
+                 "--workers", "1", "--no-audit", "--quiet", "--out", str(out_dir)]) == 0
     out = tmp_path / "promoted.yaml"
     prov = promote(out_dir, BASE, out, log=lambda *_: None)
     cfg = load_config(out)
-    cells, warnings = group_cells(read_results(out_dir))
-    assert not warnings and len(cells) == 2
+    cells = group_cells(read_results(out_dir))
+    assert len(cells) == 2
     alive = [c for c in cells if not c.collapsed]
     chosen = next(c for c in cells if c.cell_id == prov["cell_id"])
     assert chosen.mean("final_reward") == max(c.mean("final_reward") for c in alive)

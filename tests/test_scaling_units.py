@@ -62,7 +62,8 @@ def test_fp8_applies_to_decoder_linears_only():
                            w.to(torch.bfloat16).float())
     for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):
         assert torch.equal(to_rollout_precision(name, w, "fp8", "simulate", 32), w.to(torch.bfloat16))
-    assert to_rollout_precision("model.layers.0.mlp.up_proj.weight", w, "fp32", "simulate", 32) is not None
+    fp32 = to_rollout_precision("model.layers.0.mlp.up_proj.weight", w, "fp32", "simulate", 32)
+    assert fp32.dtype == torch.float32 and torch.equal(fp32, w)  # fp32 rollout: the weight itself
 
 
 # ---------------------------------------------------------------------------- rollout → tensors
@@ -263,16 +264,50 @@ def test_update_goes_through_the_registry_and_raises_good_samples(tiny_lm, monke
     assert change[adv > 0].mean() > change[adv < 0].mean()
     assert res.metrics["mismatch/topk_kl_mean"] < 1e-6  # first mini-batch: μ = π
     assert res.metrics["tokens/response"] == float(batch.response_mask.sum())
-    for key in ("mask/frac_dropped", "mask/dir_disagree", "div/topk_kl_max", "loss/grad_norm", "ratio/max"):
+    for key in ("mask/frac_dropped", "div/topk_kl_max", "loss/grad_norm", "ratio/max"):
         assert key in res.metrics and math.isfinite(res.metrics[key]), key
+    if res.metrics["mask/frac_outside"] == 0:  # no outside token: the disagreement is n/a, never 0.0
+        assert math.isnan(res.metrics["mask/dir_disagree"])
 
 
-def test_reduce_metrics_single_process_is_identity():
-    local = {"a/x": 0.5, "a/x_max": 2.0, "tokens/response": 7.0}
-    assert train_step.reduce_metrics(local, {"tokens": 7.0, "outside": 1.0, "pos": 3.0, "neg": 4.0}) == local
+def test_split_into_equal_mini_batches():
     assert train_step.split(6, 3) == [[0, 1], [2, 3], [4, 5]]
     with pytest.raises(ValueError, match="do not split"):
         train_step.split(7, 3)
+
+
+def test_tiny_config_logs_the_direction_metric_of_its_own_rule(tiny_lm):
+    """tiny-cpu.yaml trains with pdm_topk: its logged disagreement is the Ḋ_topk one, not Ḋ_uniform's."""
+    from pathlib import Path
+
+    from pdm_lab.metrics import direction_disagreement
+    from pdm_lab.scaling.config import load_config
+
+    tiny = load_config(Path(__file__).resolve().parents[1] / "scaling" / "configs" / "tiny-cpu.yaml")
+    assert tiny.mask.rule == "pdm_topk" and tiny.mask.direction_estimator == "topk"
+    mask = dataclasses.replace(tiny.mask, k=5, delta=0.0)  # every token with D > 0 is outside
+    batch = fake_batch(tiny_lm, n_prompts=3, g=4, seed=3, temperature=0.5)  # μ at T = 0.5, π at T = 1
+    adv = torch.linspace(-1, 1, len(batch))
+    mb = train_step.make_micro_batch(batch, list(range(len(batch))), adv, pad_id=0)
+    support = train_step.micro_batch_support(mb, mask, VOCAB)
+    with torch.no_grad():
+        pi = train_step.micro_batch_policy(PolicyModel(tiny_lm), mb, support, 1.0, None)
+    stats = pdm_lab.loss.pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask).stats
+    outside = mb.response_mask.reshape(-1) & (stats.topk_kl > 0)
+    rate = {est: float(direction_disagreement(stats, est)[outside].double().mean()) for est in ("topk", "agg")}
+    assert rate["topk"] != rate["agg"]  # the batch tells the estimators apart
+
+    def logged(mask_cfg):
+        cfg = _Cfg(mask=mask_cfg, trainer=TrainerConfig(mini_batches=1, micro_batch_size=4))
+        opt = torch.optim.SGD(PolicyModel(tiny_lm).parameters(), lr=0.0)  # measure only: π stays put
+        return train_step.update_policy(PolicyModel(tiny_lm), opt, batch, adv, cfg=cfg, vocab_size=VOCAB,
+                                        pad_id=0, lr=0.0).metrics
+
+    res = logged(mask)
+    assert res["mask/dir_disagree"] == pytest.approx(rate["topk"], abs=1e-9)
+    assert res["mismatch/dir_disagree"] == pytest.approx(rate["topk"], abs=1e-9)
+    # an explicit mask.estimator overrides the rule's own
+    assert logged(dataclasses.replace(mask, estimator="agg"))["mask/dir_disagree"] == pytest.approx(rate["agg"], abs=1e-9)
 
 
 def test_bench_rows_without_a_run():

@@ -141,13 +141,11 @@ python -m verl.trainer.main_ppo \\
 '''
 
 
-def write_launch_file(target: str, run_config: Path, out: Path) -> Path:
-    """Write the `target` launch file for the promoted run config at `run_config` to `out`."""
-    from ..scaling.config import load_config
-
+def write_launch_file(target: str, cfg: Any, out: Path) -> Path:
+    """Write the `target` launch file for the promoted run config `cfg` (loaded by the caller:
+    the core imports no stage) to `out`."""
     if target not in ("trl", "verl"):
         raise ValueError(f"target: unknown {target!r}; valid: {', '.join(TARGETS)}")
-    cfg = load_config(run_config)
     text = trl_script(cfg) if target == "trl" else verl_script(cfg)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

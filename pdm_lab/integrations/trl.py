@@ -192,6 +192,7 @@ class PDMGRPOTrainer(GRPOTrainer):
         self.pdm_last_output = out  # the last micro-batch's keep mask and stats, for inspection
         mode = "train" if self.model.training else "eval"
         for key, value in out.metrics.items():
-            self._metrics[mode][f"pdm/{key}"].append(float(value))
+            if not torch.isnan(value):  # NaN: nothing counted in this micro-batch (n/a), not a 0
+                self._metrics[mode][f"pdm/{key}"].append(float(value))
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         return out.loss / normalizer
