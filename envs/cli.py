@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     audit.add_argument("--lr", type=float)
     audit.add_argument("--warmup-steps", type=int)
     audit.add_argument("--k-sweep", type=int, nargs="*", help="K values of study (b); none to skip")
-    audit.add_argument("--no-single-token", action="store_true", help="skip study (a)")
+    audit.add_argument("--contexts", nargs="+", choices=("shared", "distinct"),
+                       help="shared (the batch's own states) and/or distinct (one token per state); first is the main study")
     audit.add_argument("--quiet", action="store_true", help="no progress bar")
     audit.set_defaults(func=audit_main)
 
@@ -80,6 +81,9 @@ def register(subparsers) -> None:
     sweep.add_argument("--no-audit", dest="audit", action="store_false")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
     sweep.set_defaults(func=sweep_main)
+
+    from .calibrate import add_parser as add_calibrate
+    add_calibrate(subparsers)
 
 
 def _merge(base, path: Path | None):
@@ -124,8 +128,8 @@ def audit_config(args: argparse.Namespace) -> AuditConfig:
         cfg = replace(cfg, extra_rules=tuple(args.extra_rules))
     if args.k_sweep is not None:
         cfg = replace(cfg, k_sweep=tuple(args.k_sweep))
-    if args.no_single_token:
-        cfg = replace(cfg, single_token=False)
+    if args.contexts:
+        cfg = replace(cfg, contexts=tuple(args.contexts))
     return cfg
 
 

@@ -13,7 +13,7 @@ A mismatch is a ``+``-joined list of ``kind:strength`` sources, applied in order
 | ``<dtype>_weights`` | m ≥ 0 | every weight w of the behaviour copy becomes q(w + m) − m |
 | ``stale`` | s ≥ 1 | none at rollout; the trainer takes s optimiser steps per rollout batch |
 | ``bf16_engine`` | m ≥ 0 | the network run like a bf16 engine: weights, buffers, hidden activations and logits (at magnitude m) rounded to bf16 |
-| ``fp8_engine`` | m ≥ 0 | as an FP8 (W8A8) engine: 2-D weights e4m3 with 128×128 block scales, activations and logits e4m3 with 1×128 group scales |
+| ``fp8_engine`` | m ≥ 0 | as an FP8 (W8A8) engine: hidden matmul weights e4m3 with 128×128 block scales, hidden activations e4m3 with 1×128 group scales; output layer, prior and logits bf16 |
 | ``lognormal`` | σ ≥ 0 (``lognormal:σ:s``) | z + σ_c·ξ_c, σ_c = σ·exp(s·Z_c): per-context error scale log-normal, heavy tail knob s (default ``LOGNORMAL_TAIL``) |
 
 ``<dtype>`` ∈ {bf16, fp16, fp8_e4m3, fp8_e5m2}; q is a real torch cast there and back
@@ -91,11 +91,14 @@ def lognormal_error(context: Tensor, n: int, sigma: float, tail: float) -> Tenso
 
 
 def engine_round(kind: str, magnitude: float = 0.0):
-    """The activation rounding of a ``*_engine`` kind: x → q(x + m) − m (m only on logits)."""
+    """The activation rounding of a ``*_engine`` kind, x → q(x + m) − m (m on the logits only).
+
+    bf16: every activation cast to bf16. fp8 (W8A8): hidden activations e4m3 with 1×128 group
+    scales; the logits bf16, as FP8 engines keep the output layer in bf16."""
     def act(x: Tensor, *, logits: bool = False) -> Tensor:
         m = magnitude if logits else 0.0
         shifted = x.float() + m
-        if kind == "fp8_engine":
+        if kind == "fp8_engine" and not logits:
             q = quantize_dequantize_groups(shifted)
         else:
             q = shifted.to(torch.bfloat16).float()
@@ -103,31 +106,12 @@ def engine_round(kind: str, magnitude: float = 0.0):
     return act
 
 
-def _engine_weight(kind: str, w: Tensor) -> Tensor:
-    if kind == "fp8_engine":
-        return quantize_dequantize(w) if w.dim() == 2 else quantize_dequantize_groups(w.reshape(1, -1)).reshape(w.shape)
+def _engine_weight(kind: str, name: str, w: Tensor, fp8_names: tuple[str, ...]) -> Tensor:
+    """bf16 everywhere, except ``fp8_engine``'s hidden matmul weights (the policy's
+    ``FP8_WEIGHTS``): e4m3 with 128×128 block scales, the scaling stage's formula."""
+    if kind == "fp8_engine" and name in fp8_names and w.dim() == 2:
+        return quantize_dequantize(w)
     return w.to(torch.bfloat16).to(w.dtype)
-
-
-def round_through(x: Tensor, dtype: torch.dtype, magnitude: float = 0.0, *, per_row: bool) -> Tensor:
-    """q(x + m) − m with q a real cast to `dtype` and back to x's dtype.
-
-    Args:
-        x: float tensor ([B, n] logits when ``per_row``, any weight tensor otherwise).
-        dtype: the low-precision format.
-        magnitude: m ≥ 0.
-        per_row: FP8 scale per row (logits) instead of per tensor (weights).
-    """
-    shifted = x.float() + magnitude
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        fmax = torch.finfo(dtype).max
-        amax = shifted.abs().amax(dim=-1, keepdim=True) if per_row else shifted.abs().max()
-        scale = torch.clamp(amax / fmax, min=torch.finfo(torch.float32).tiny)
-        q = (shifted / scale).clamp(-fmax, fmax).to(dtype).float() * scale
-    else:
-        fmax = torch.finfo(dtype).max
-        q = shifted.clamp(-fmax, fmax).to(dtype).float()
-    return (q - magnitude).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -204,10 +188,13 @@ class Mismatch:
             return policy
         engine = copy.deepcopy(policy)
         for source in weight_sources:
-            tensors = [t for t in [*engine.parameters(), *engine.buffers()] if t.is_floating_point()]
+            named = [(n, t) for n, t in [*engine.named_parameters(), *engine.named_buffers()]
+                     if t.is_floating_point()]
+            tensors = [t for _, t in named]
             if source.kind in ENGINE_KINDS:
-                for tensor in tensors:
-                    tensor.copy_(_engine_weight(source.kind, tensor))
+                fp8_names = getattr(engine, "FP8_WEIGHTS", ())
+                for name, tensor in named:
+                    tensor.copy_(_engine_weight(source.kind, name, tensor, fp8_names))
                 engine.activation_round = engine_round(source.kind, source.strength)
                 continue
             dtype = DTYPES[source.kind.removesuffix("_weights")]

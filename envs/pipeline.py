@@ -16,7 +16,7 @@ def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True) ->
     """Run the audit; write audit.json, audit figures and audit.md into ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = run_audit(cfg, progress_bar=progress)
+    doc = run_audit(cfg, progress_bar=progress, seed_dir=out / "seeds")
     write_json_atomic(out / "audit.json", doc)
     figs = audit_figures(doc, out)
     write_report(out / "audit.md", title="pdm_lab direction audit",

@@ -61,6 +61,9 @@ class NeuralPolicy(_Rounding, nn.Module):
         init_scale: std of the output layer's initial weights (small: starts near the prior).
     """
 
+    FP8_WEIGHTS = ("w1",)
+    """hidden matmul weights an FP8 engine stores in e4m3 (the output layer stays bf16)."""
+
     def __init__(self, encoder, prior: Tensor, *, hidden: int = 64,
                  generator: torch.Generator | None = None, init_scale: float = 0.01):
         super().__init__()

@@ -166,6 +166,34 @@ def compare_paired(x: list[float], y: list[float], *, n_boot: int = 10_000) -> d
             "ties": int((xs == ys).sum())}
 
 
+def pooled_diff_ci(a: list[dict], b: list[dict], *, n_boot: int = 10_000, level: float = 0.95,
+                   seed: int = 0) -> dict:
+    """Pooled unsafe-keep of A minus B, with a seed-cluster bootstrap CI (seeds resampled, each
+    keeping all its tokens): usable where few tokens per seed leave most per-seed rates undefined.
+
+    Args:
+        a, b: per-seed ``delta_rates`` entries of the two rules, paired by seed.
+    """
+    if len(a) != len(b):
+        raise PDMInputError(f"paired seed lists differ in length: {len(a)} vs {len(b)}")
+    counts = torch.tensor([[e["count"] for e in a], [e["count"] for e in b]], dtype=torch.float64)
+    grew = torch.tensor([[e["grew"] for e in a], [e["grew"] for e in b]], dtype=torch.float64)
+    nan = float("nan")
+    if counts[0].sum() == 0 or counts[1].sum() == 0:
+        return {"mean_diff": nan, "ci_low": nan, "ci_high": nan, "level": level,
+                "tokens_a": int(counts[0].sum()), "tokens_b": int(counts[1].sum())}
+    point = float(grew[0].sum() / counts[0].sum() - grew[1].sum() / counts[1].sum())
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(a), (n_boot, len(a)), generator=gen)
+    ca, cb = counts[0][idx].sum(1), counts[1][idx].sum(1)
+    diffs = grew[0][idx].sum(1) / ca - grew[1][idx].sum(1) / cb
+    diffs = diffs[(ca > 0) & (cb > 0)]
+    alpha = (1.0 - level) / 2.0
+    lo, hi = torch.quantile(diffs, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64))
+    return {"mean_diff": point, "ci_low": float(lo), "ci_high": float(hi), "level": level,
+            "tokens_a": int(counts[0].sum()), "tokens_b": int(counts[1].sum())}
+
+
 def verdict(diff: dict, a: str, b: str) -> str:
     """One sentence on a paired A − B unsafe-keep comparison, as its CI supports."""
     if math.isnan(diff["mean_diff"]):
