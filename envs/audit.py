@@ -442,11 +442,21 @@ def _seed_path(seed_dir, seed: int):
     return None if seed_dir is None else Path(seed_dir) / f"seed_{seed}.pt"
 
 
+#: Fields that do not change a seed's record (so runs over different seed ranges share a store).
+_RUN_ONLY_FIELDS = ("seeds", "first_seed", "n_boot", "stress_mismatch", "stress_seeds", "k_sweep", "k_sweep_seeds")
+
+
+def seed_key(cfg: AuditConfig) -> str:
+    """What a stored seed record must match: the configuration minus the run-only fields."""
+    doc = {k: v for k, v in to_dict(cfg).items() if k not in _RUN_ONLY_FIELDS}
+    return json.dumps(doc, sort_keys=True, default=str)
+
+
 def _audit_seed_resumable(cfg: AuditConfig, seed: int, seed_dir, pooled: list) -> dict:
     """``audit_seed``, stored in ``seed_dir/seed_<s>.pt`` as soon as it is done and read back on a
     rerun with the same configuration (so a killed 61-seed audit loses only the seed in flight)."""
     path = _seed_path(seed_dir, seed)
-    key = json.dumps(to_dict(cfg), sort_keys=True, default=str)
+    key = seed_key(cfg)
     if path is not None and path.exists():
         saved = torch.load(path, weights_only=False)
         if saved.get("config") == key:

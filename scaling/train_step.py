@@ -201,7 +201,7 @@ class UpdateResult:
 
 
 def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cfg, vocab_size: int,
-                  pad_id: int, lr: float, device=None) -> UpdateResult:
+                  pad_id: int, lr: float, device=None, mismatch_sample=None) -> UpdateResult:
     """One pass over the batch: ``trainer.mini_batches`` optimiser steps (SPEC §7: one PPO epoch).
 
     Args:
@@ -214,6 +214,8 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         pad_id: padding token id for the trainer's inputs.
         lr: learning rate for these optimiser steps.
         device: where the trainer runs (default CPU).
+        mismatch_sample: callable ``(stats, adv, resp)`` given the first mini-batch's per-token
+            stats before its step (``mismatch_sample.MismatchSample``); None: no sample.
     """
     mask_cfg, tcfg = cfg.mask, cfg.trainer
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -267,6 +269,8 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         if grad_norm is not None:
             reduced["loss/grad_norm"] = float(grad_norm)
         if mb_index == 0:  # before any optimiser step of this batch: the realised mismatch
+            if mismatch_sample is not None:
+                mismatch_sample(_concat_stats(stats_parts), adv, resp)
             metrics.update({new: reduced[old] for old, new in _MISMATCH_KEYS.items() if old in reduced})
         for key, value in reduced.items():
             metrics.setdefault(key, 0.0)
