@@ -47,10 +47,10 @@ _OLD_TOKEN_MDP = ProblemConfig(kind="token_mdp")
 
 SWEEP_PRESETS: dict[str, SweepConfig] = {
     "quick": SweepConfig(
-        base=TrainConfig(problem=REALISTIC_PROBLEM, policy="neural", steps=12, groups_per_step=16),
+        base=TrainConfig(problem=REALISTIC_PROBLEM, policy="neural", steps=10, groups_per_step=8),
         rules=("none", "ppo_clip", "dppo_topk_kl", "pdm_topk"),
         mismatches=("none", REALISTIC_MISMATCH, REALISTIC_STRONG),
-        deltas=(0.15,), ks=(20,), seeds=3),
+        deltas=(0.15,), ks=(20,), seeds=2),
     "paper": SweepConfig(
         base=TrainConfig(problem=REALISTIC_PROBLEM, policy="neural", steps=60),
         rules=("ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_agg", "pdm_topk"),

@@ -10,6 +10,7 @@ Both expose ``collect(policy, mismatch, num_groups, group_size, rng) -> RolloutB
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -217,8 +218,11 @@ class TokenMDPProblem:
         return float(batch.rewards.mean())
 
 
+@functools.lru_cache(maxsize=4)
 def _token_mdp_prior(config: TokenMDPConfig, rows: int, n: int) -> Tensor:
-    """[rows, n] Zipf prior: per-row τ, EOS the favourite in a fraction of rows, a logit level."""
+    """[rows, n] Zipf prior: per-row τ, EOS the favourite in a fraction of rows, a logit level.
+
+    Cached (a sweep builds the same problem for every run; the policies copy it)."""
     gen = torch.Generator().manual_seed(config.prior_seed)
     if config.temperature_spread == 1.0 and config.eos_top_fraction == 1.0 and config.logit_offset == 0.0:
         # the original prior, draw for draw (keeps earlier figures reproducible)
