@@ -114,6 +114,27 @@ def _engine_weight(kind: str, name: str, w: Tensor, fp8_names: tuple[str, ...]) 
     return w.to(torch.bfloat16).to(w.dtype)
 
 
+def round_through(x: Tensor, dtype: torch.dtype, magnitude: float = 0.0, *, per_row: bool) -> Tensor:
+    """q(x + m) − m with q a real cast to `dtype` and back to x's dtype.
+
+    Args:
+        x: float tensor ([B, n] logits when ``per_row``, any weight tensor otherwise).
+        dtype: the low-precision format.
+        magnitude: m ≥ 0.
+        per_row: FP8 scale per row (logits) instead of per tensor (weights).
+    """
+    shifted = x.float() + magnitude
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fmax = torch.finfo(dtype).max
+        amax = shifted.abs().amax(dim=-1, keepdim=True) if per_row else shifted.abs().max()
+        scale = torch.clamp(amax / fmax, min=torch.finfo(torch.float32).tiny)
+        q = (shifted / scale).clamp(-fmax, fmax).to(dtype).float() * scale
+    else:
+        fmax = torch.finfo(dtype).max
+        q = shifted.clamp(-fmax, fmax).to(dtype).float()
+    return (q - magnitude).to(x.dtype)
+
+
 @dataclass(frozen=True)
 class MismatchSource:
     """One named source of mismatch and its strength (see the module table)."""
