@@ -421,12 +421,12 @@ def _k_sweep(cfg: AuditConfig, progress=None) -> list[dict]:
     return rows
 
 
-def _stress(cfg: AuditConfig, main: dict, progress=None) -> dict:
+def _stress(cfg: AuditConfig, main: dict, progress=None, seed_dir=None) -> dict:
     """The main pair under the stress mismatch: its figures, and whether the verdict changes."""
-    per_seed = []
+    per_seed, pooled = [], []
+    stress_cfg = replace(cfg, mismatch=cfg.stress_mismatch, extra_rules=(), contexts=cfg.contexts[:1])
     for seed in range(cfg.first_seed, cfg.first_seed + cfg.stress_seeds):
-        per_seed.append(audit_seed(replace(cfg, extra_rules=()), seed, mismatch=cfg.stress_mismatch,
-                                   contexts=cfg.contexts[:1]))
+        per_seed.append(_audit_seed_resumable(stress_cfg, seed, seed_dir and Path(seed_dir) / "stress", pooled))
         if progress:
             progress()
     pair = _main_pair_summary(cfg, per_seed, cfg.contexts[0])
@@ -496,7 +496,7 @@ def run_audit(cfg: AuditConfig, *, progress_bar: bool = False, seed_dir=None) ->
     main = contexts[cfg.contexts[0]]
     regime = _pooled_regime(pooled)
     studies = {"k_sweep": _k_sweep(cfg, progress=tick) if cfg.k_sweep else [],
-               "stress": _stress(cfg, main["pairs"][0], progress=tick) if cfg.stress_mismatch else None}
+               "stress": _stress(cfg, main["pairs"][0], progress=tick, seed_dir=seed_dir) if cfg.stress_mismatch else None}
     if bar:
         bar.close()
     return {

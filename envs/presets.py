@@ -78,7 +78,7 @@ AUDIT_PRESETS: dict[str, AuditConfig] = {
                          seeds=6, sequences=512, n_boot=2000),
     # the paper's statistics in the realistic regime, with the stress study beside it
     "paper": AuditConfig(problem=REALISTIC_PROBLEM, policy="neural", mismatch=REALISTIC_STRONG,
-                         stress_mismatch="noise:1", stress_seeds=8),
+                         stress_mismatch="noise:1", stress_seeds=4),
     # the earlier harsh audit: bandit, i.i.d. noise, 16 tokens per state
     "stress": AuditConfig(mismatch="noise:1", seeds=16, k_sweep=(5, 20, 100), k_sweep_seeds=4),
 }
