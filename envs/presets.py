@@ -75,7 +75,7 @@ SWEEP_PRESETS: dict[str, SweepConfig] = {
 
 AUDIT_PRESETS: dict[str, AuditConfig] = {
     "quick": AuditConfig(problem=REALISTIC_PROBLEM, policy="neural", mismatch=REALISTIC_STRONG,
-                         seeds=6, sequences=512, n_boot=2000),
+                         seeds=4, sequences=512, n_boot=2000),
     # the paper's statistics in the realistic regime, with the stress study beside it
     "paper": AuditConfig(problem=REALISTIC_PROBLEM, policy="neural", mismatch=REALISTIC_STRONG,
                          stress_mismatch="noise:1", stress_seeds=4),
