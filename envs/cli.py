@@ -51,6 +51,8 @@ def build_config(presets: dict, args: argparse.Namespace):
     doc = apply_overrides(doc, args.overrides)
     if args.seeds is not None:
         doc["seeds"] = args.seeds
+    if getattr(args, "contexts", None):
+        doc["contexts"] = list(args.contexts)
     return from_dict(type(base), doc)
 
 
@@ -82,6 +84,9 @@ def register_audit(subparsers) -> None:
                     "e.g. rules=[dppo_topk_kl,pdm_topk] sequences=256 problem.kind=bandit k_sweep=[] "
                     "single_token=false.")
     _add_config_arguments(p, AUDIT_PRESETS, "paper", "AuditConfig")
+    p.add_argument("--contexts", nargs="+", choices=("shared", "distinct"),
+                   help="shared (the batch's own states) and/or distinct (one token per state); the "
+                        "first is the main study (same as contexts=[...])")
     p.set_defaults(func=audit_main)
 
 
@@ -107,10 +112,18 @@ def register_sweep(subparsers) -> None:
     p.set_defaults(func=sweep_main)
 
 
+def register_calibrate(subparsers) -> None:
+    """``pdm-lab calibrate``: the regime table of a toy setting or of a scaling run (SPEC §6b)."""
+    from .calibrate import add_parser
+
+    add_parser(subparsers)
+
+
 def register(subparsers) -> None:
     """Every toy command (``python -m``-style use; ``pdm-lab`` finds them as entry points)."""
     register_audit(subparsers)
     register_sweep(subparsers)
+    register_calibrate(subparsers)
 
 
 def audit_main(args: argparse.Namespace) -> int:

@@ -12,6 +12,9 @@ A mismatch is a ``+``-joined list of ``kind:strength`` sources, applied in order
 | ``<dtype>`` | m ≥ 0 | q(z + m) − m: logits rounded at magnitude m |
 | ``<dtype>_weights`` | m ≥ 0 | every weight w of the behaviour copy becomes q(w + m) − m |
 | ``stale`` | s ≥ 1 | none at rollout; the trainer takes s optimiser steps per rollout batch |
+| ``bf16_engine`` | m ≥ 0 | the network run like a bf16 engine: weights, buffers, hidden activations and logits (at magnitude m) rounded to bf16 |
+| ``fp8_engine`` | m ≥ 0 | as an FP8 (W8A8) engine: hidden matmul weights e4m3 with 128×128 block scales, hidden activations e4m3 with 1×128 group scales; output layer, prior and logits bf16 |
+| ``lognormal`` | σ ≥ 0 (``lognormal:σ:s``) | z + σ_c·ξ_c, σ_c = σ·exp(s·Z_c): per-context error scale log-normal, heavy tail knob s (default ``LOGNORMAL_TAIL``) |
 
 ``<dtype>`` ∈ {bf16, fp16, fp8_e4m3, fp8_e5m2}; q is a real torch cast there and back
 (``torch.bfloat16``, ``torch.float16``, ``torch.float8_e4m3fn``, ``torch.float8_e5m2``). FP8
@@ -22,6 +25,17 @@ like m·2^(−p) — an engine whose logits sit near 20–30 loses far more than
 is a plain cast. The realised mismatch grows with m once m exceeds the values' own magnitude
 (below that, shifting can move values into finer binades); fp8_e5m2 saturates near m ≈ 64 on
 Zipf logits (μ becomes nearly uniform on its head).
+
+Realistic kinds (SPEC §6b: μ is a deterministic function of the context, the same state gives the
+same μ). ``*_engine`` rounds what a low-precision engine rounds — the weights and the activations
+of the network policy — so the error grows with the magnitude of the values, as in a real engine
+(FP8 through the same block-wise formula as the scaling stage, ``pdm_lab.quantize``).
+``lognormal`` is a parametric heavy-tailed family: the context (the whole observation row) is
+hashed; the hash picks a fixed N(0, 1) error vector ξ_c over the vocabulary and a standard normal
+Z_c; μ's logits are z + σ·exp(s·Z_c)·ξ_c. σ is the median error scale, s the tail knob: D scales
+like σ_c², so log D has spread ≈ 2s and p99.9/p50 of D grows like exp(6.2·s) (s = 0: every
+context equally perturbed, a light tail; s = 1: three orders of magnitude between median and
+p99.9). The noise kinds ``noise``/``tail_noise`` (fresh per row) are kept as stress settings.
 """
 from __future__ import annotations
 
@@ -32,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from pdm_lab.config import ConfigError, config_dataclass, one_of  # field checks: a NaN strength is an error
+from pdm_lab.quantize import quantize_dequantize, quantize_dequantize_groups
 
 #: tail_noise perturbs the tokens outside π's top this-many.
 TAIL_NOISE_TOP = 20
@@ -44,8 +59,60 @@ DTYPES = {
 }
 LOGIT_KINDS = ("noise", "temperature", "tail_noise", *DTYPES)
 WEIGHT_KINDS = tuple(f"{name}_weights" for name in DTYPES)
-MISMATCH_KINDS = ("none", *LOGIT_KINDS, *WEIGHT_KINDS, "stale")
+ENGINE_KINDS = ("bf16_engine", "fp8_engine")
+CONTEXT_KINDS = ("lognormal",)
+MISMATCH_KINDS = ("none", *LOGIT_KINDS, *WEIGHT_KINDS, *ENGINE_KINDS, *CONTEXT_KINDS, "stale")
 STOCHASTIC_KINDS = ("noise", "tail_noise")
+
+#: default tail knob s of ``lognormal`` (σ_c = σ·exp(s·Z_c)).
+LOGNORMAL_TAIL = 1.0
+#: rows of the fixed error table ξ that context hashes index (collisions share ξ, not Z_c).
+LOGNORMAL_ROWS = 8192
+_HASH_MOD = 2_147_483_647  # 2^31 − 1, as ``encoders.context_hash``
+
+
+_XI: dict[int, Tensor] = {}
+
+
+def _error_table(n: int) -> Tensor:
+    """[LOGNORMAL_ROWS, n] fixed N(0, 1) errors (seeded once per vocabulary size)."""
+    if n not in _XI:
+        _XI[n] = torch.randn(LOGNORMAL_ROWS, n, generator=torch.Generator().manual_seed(20_260_707))
+    return _XI[n]
+
+
+def lognormal_error(context: Tensor, n: int, sigma: float, tail: float) -> Tensor:
+    """[B, n] per-context logit error σ·exp(s·Z_c)·ξ_c (see the module docstring).
+
+    ``context``: [B] int64 ``encoders.context_hash`` of each row's observation."""
+    u = ((context * 16_807 + 7) % _HASH_MOD).double().add(0.5) / _HASH_MOD
+    z = torch.special.ndtri(u)
+    scale = sigma * torch.exp(tail * z)
+    return (scale[:, None] * _error_table(n)[context % LOGNORMAL_ROWS].double()).float()
+
+
+def engine_round(kind: str, magnitude: float = 0.0):
+    """The activation rounding of a ``*_engine`` kind, x → q(x + m) − m (m on the logits only).
+
+    bf16: every activation cast to bf16. fp8 (W8A8): hidden activations e4m3 with 1×128 group
+    scales; the logits bf16, as FP8 engines keep the output layer in bf16."""
+    def act(x: Tensor, *, logits: bool = False) -> Tensor:
+        m = magnitude if logits else 0.0
+        shifted = x.float() + m
+        if kind == "fp8_engine" and not logits:
+            q = quantize_dequantize_groups(shifted)
+        else:
+            q = shifted.to(torch.bfloat16).float()
+        return (q - m).to(x.dtype)
+    return act
+
+
+def _engine_weight(kind: str, name: str, w: Tensor, fp8_names: tuple[str, ...]) -> Tensor:
+    """bf16 everywhere, except ``fp8_engine``'s hidden matmul weights (the policy's
+    ``FP8_WEIGHTS``): e4m3 with 128×128 block scales, the scaling stage's formula."""
+    if kind == "fp8_engine" and name in fp8_names and w.dim() == 2:
+        return quantize_dequantize(w)
+    return w.to(torch.bfloat16).to(w.dtype)
 
 
 def round_through(x: Tensor, dtype: torch.dtype, magnitude: float = 0.0, *, per_row: bool) -> Tensor:
@@ -75,6 +142,8 @@ class MismatchSource:
 
     kind: str
     strength: float = 0.0
+    tail: float | None = None
+    """``lognormal`` only: the tail knob s (None: ``LOGNORMAL_TAIL``)."""
 
     def __post_init__(self) -> None:
         one_of("mismatch kind", self.kind, MISMATCH_KINDS)
@@ -84,9 +153,12 @@ class MismatchSource:
             raise ConfigError(f"stale: strength is an optimiser-step count ≥ 1, got {self.strength}")
         if self.kind not in ("temperature",) and self.strength < 0:
             raise ConfigError(f"{self.kind}: strength must be ≥ 0, got {self.strength}")
+        if self.tail is not None and (self.kind not in CONTEXT_KINDS or self.tail < 0):
+            raise ConfigError(f"{self.kind}: a tail knob is for lognormal only, and must be ≥ 0")
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.strength:g}"
+        tail = "" if self.tail is None else f":{self.tail:g}"
+        return f"{self.kind}:{self.strength:g}{tail}"
 
 
 @dataclass(frozen=True)
@@ -105,9 +177,14 @@ class Mismatch:
         sources = []
         for part in spec.split("+"):
             kind, _, value = part.strip().partition(":")
-            strength = float(value) if value else (1.0 if kind == "stale" else 0.0)
+            value, _, tail = value.partition(":")
+            try:
+                strength = float(value) if value else (1.0 if kind == "stale" else 0.0)
+                tail_knob = float(tail) if tail else None
+            except ValueError:
+                raise ValueError(f"mismatch {part!r}: strength must be a number") from None
             if kind != "none":
-                sources.append(MismatchSource(kind, strength))
+                sources.append(MismatchSource(kind, strength, tail_knob))
         return cls(tuple(sources))
 
     def __str__(self) -> str:
@@ -127,24 +204,34 @@ class Mismatch:
     @torch.no_grad()
     def behaviour_copy(self, policy: nn.Module) -> nn.Module:
         """The rollout engine's copy of π: the policy itself, or a deep copy with rounded weights."""
-        weight_sources = [s for s in self.sources if s.kind in WEIGHT_KINDS]
+        weight_sources = [s for s in self.sources if s.kind in WEIGHT_KINDS + ENGINE_KINDS]
         if not weight_sources:
             return policy
         engine = copy.deepcopy(policy)
         for source in weight_sources:
+            named = [(n, t) for n, t in [*engine.named_parameters(), *engine.named_buffers()]
+                     if t.is_floating_point()]
+            tensors = [t for _, t in named]
+            if source.kind in ENGINE_KINDS:
+                fp8_names = getattr(engine, "FP8_WEIGHTS", ())
+                for name, tensor in named:
+                    tensor.copy_(_engine_weight(source.kind, name, tensor, fp8_names))
+                engine.activation_round = engine_round(source.kind, source.strength)
+                continue
             dtype = DTYPES[source.kind.removesuffix("_weights")]
-            for tensor in [*engine.parameters(), *engine.buffers()]:
-                if tensor.is_floating_point():
-                    tensor.copy_(round_through(tensor, dtype, source.strength, per_row=False))
+            for tensor in tensors:
+                tensor.copy_(round_through(tensor, dtype, source.strength, per_row=False))
         return engine
 
     @torch.no_grad()
-    def behaviour_logits(self, logits: Tensor, generator: torch.Generator) -> Tensor:
+    def behaviour_logits(self, logits: Tensor, generator: torch.Generator,
+                         context: Tensor | None = None) -> Tensor:
         """Apply the logit-level sources to the engine copy's logits.
 
         Args:
             logits: [B, n] float32 logits of ``behaviour_copy(policy)``.
             generator: seeded generator for the noise kinds.
+            context: [B] int64 ``context_hash`` of each row's observation (context kinds).
 
         Returns:
             [B, n] float32 behaviour logits (finite).
@@ -163,4 +250,9 @@ class Mismatch:
                 z = z + s * torch.randn(z.shape, generator=generator) * tail
             elif kind in DTYPES:
                 z = round_through(z, DTYPES[kind], s, per_row=True)
+            elif kind == "lognormal" and s > 0:
+                if context is None:
+                    raise ValueError("lognormal mismatch: needs each row's context hash")
+                tail = LOGNORMAL_TAIL if source.tail is None else source.tail
+                z = z + lognormal_error(context, z.shape[-1], s, tail)
         return z

@@ -18,7 +18,7 @@ def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True) ->
     """Run the audit; write audit.json, audit figures and audit.md into ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = run_audit(cfg, progress_bar=progress)
+    doc = run_audit(cfg, progress_bar=progress, seed_dir=out / "seeds")
     write_json_atomic(out / "audit.json", doc)
     figs = audit_figures(doc, out)
     write_report(out / "audit.md", title="pdm_lab direction audit",
@@ -53,7 +53,8 @@ def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConf
     b = cfg.base
     intro = [f"Problem `{b.problem.kind}`, policy `{b.policy}`, {b.steps} GRPO steps of "
              f"{b.groups_per_step} prompts × {b.group_size} responses, `{b.optimizer}` lr {b.lr}, "
-             f"{b.epochs} epoch(s) × {b.minibatches} mini-batch(es).",
+             f"{b.epochs} epoch(s) × {b.minibatches} mini-batch(es); float32 training, token-mean loss "
+             "(each token's share of a step is lr/N); the audit below states its own step and precision.",
              f"Grid: rules {', '.join(cfg.rules)}; mismatch {', '.join(cfg.mismatches)}"
              + (f" (+ `{cfg.base_mismatch}` everywhere)" if cfg.base_mismatch else "")
              + f"; δ {', '.join(f'{d:g}' for d in cfg.deltas)}; K {', '.join(map(str, cfg.ks))}; "
@@ -61,8 +62,33 @@ def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConf
              f"({status['skipped']} reused from an earlier invocation).",
              "Tables: results.csv / results.json (one row per cell × seed); per-step logs: cells/*/seed_*.jsonl."]
     report = write_report(out / "report.md", title=title, intro=intro, rows=[r["row"] for r in runs],
-                          sweep_figs=figs, audit=audit_doc, audit_figs=audit_figs)
+                          sweep_figs=figs, audit=audit_doc, audit_figs=audit_figs,
+                          regime=sweep_regime(cfg, out))
     return {**status, "report": str(report), "runs": len(runs), "wall_s": time.perf_counter() - start}
+
+
+def sweep_regime(cfg: SweepConfig, out: Path, *, seeds: int = 1, sequences: int = 256) -> dict[str, dict]:
+    """The calibration table of each mismatch setting of the grid, on the sweep's problem and
+    policy at initialisation (cached in ``out/regime.json``)."""
+    from dataclasses import replace
+
+    from .calibrate import toy_table
+    from .sweep import compose
+
+    path = out / "regime.json"
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    b = cfg.base
+    tables = {}
+    for spec in cfg.mismatches:
+        name = compose(spec, cfg.base_mismatch)
+        if name not in cached:
+            audit = AuditConfig(problem=b.problem, policy=b.policy, hidden=b.hidden, mismatch=name,
+                                sequences=sequences, group_size=b.group_size, delta=b.mask.delta, k=b.mask.k,
+                                convention=b.mask.convention)
+            cached[name] = toy_table(replace(audit, mismatch=name), seeds)
+            write_json_atomic(path, cached)
+        tables[name] = cached[name]
+    return tables
 
 
 def _audit_dict(cfg: AuditConfig) -> dict:

@@ -1,48 +1,88 @@
-"""Named sweep and audit configurations: ``quick`` (about two minutes on a 2-core laptop, the
-README's main command and an end-to-end test) and ``paper`` (the paper's statistics: 61 seeds,
-δ ∈ {0.05, 0.15}, K = 20: 9 mismatch settings × (1 + 4 × 2) rule/δ cells × 61 seeds = 4941
-runs of ~5 s each, about 7 core-hours — hours on one machine, or spread with ``--executor ray``)."""
+"""Named sweep, audit and calibration configurations.
+
+The realistic regime (SPEC §6b) is the default: the token MDP with an LLM-like policy — vocabulary
+1,000, a peaked Zipf prior chosen by a hash of the whole context (prompt and prefix), 64
+paraphrases per target so a batch holds far more distinct contexts than tokens per context —
+and an engine-like mismatch: the behaviour copy runs in bf16 (weights, activations, logits at an
+LLM's logit level of ~20–30) plus the heavy-tailed per-context ``lognormal`` family, with σ
+calibrated (``pdm-lab calibrate --target``) so ~0.2% of Â ≠ 0 tokens lie outside δ = 0.15
+(README: the calibration table).
+
+* ``quick`` (the README's main command, ``make run``): a few minutes on a 2-core laptop.
+* ``paper``: the paper's statistics: 61 seeds, δ ∈ {0.05, 0.15}, K = 20.
+* ``stress``: the earlier harsh settings (i.i.d. logit noise on every row, 80–100% of tokens
+  outside δ, a light-tailed D, 16–100 tokens per state), kept to show whether a verdict depends
+  on the regime.
+* ``frameworks``: the rules verl and slime ship (SPEC §4b) beside DPPO and PDM; ``collapse``: a
+  reproduced collapse under mismatch (``collapse``).
+"""
 from __future__ import annotations
 
 from pdm_lab.config import one_of
 
 from .audit import AuditConfig
 from .collapse import COLLAPSE_SWEEP
-from .problems import ProblemConfig
+from .problems import ProblemConfig, TokenMDPConfig
 from .sweep import SweepConfig
 from .train import TrainConfig
 
-_TOKEN_MDP = ProblemConfig(kind="token_mdp")
+#: The LLM-like token MDP of the realistic regime.
+REALISTIC_PROBLEM = ProblemConfig(kind="token_mdp", token_mdp=TokenMDPConfig(
+    vocab_size=1000, max_len=12, paraphrases=64, prior_rows=4096, temperature=0.3,
+    temperature_spread=1.5, eos_top_fraction=0.25, logit_offset=20.0))
+#: Its mismatch: a bf16 engine plus the heavy-tailed per-context family (σ from calibrate --target).
+REALISTIC_MISMATCH = "bf16_engine:0+lognormal:0.06"
+#: The same engine at a stronger heavy tail (~0.7% outside δ): the top of the realistic range,
+#: where an audit batch still holds a few disagreement tokens.
+REALISTIC_STRONG = "bf16_engine:0+lognormal:0.09"
+
+#: Named stress settings (outside the realistic regime; see the module docstring).
+STRESS_MISMATCHES = {
+    "stress-noise": "noise:1",
+    "stress-noise-2": "noise:2",
+    "stress-fp8-logits": "fp8_e4m3:16",
+    "stress-fp8-engine": "fp8_engine:0+lognormal:0.05",
+    "stress-stale": "stale:4",
+}
+
+_OLD_TOKEN_MDP = ProblemConfig(kind="token_mdp")
 
 SWEEP_PRESETS: dict[str, SweepConfig] = {
     "quick": SweepConfig(
-        base=TrainConfig(problem=_TOKEN_MDP, policy="neural", steps=20),
-        rules=("none", "ppo_clip", "dppo_topk_kl", "pdm_uniform"),
+        base=TrainConfig(problem=REALISTIC_PROBLEM, policy="neural", steps=10, groups_per_step=8),
+        rules=("none", "ppo_clip", "dppo_topk_kl", "pdm_topk"),
+        mismatches=("none", REALISTIC_MISMATCH, REALISTIC_STRONG),
+        deltas=(0.15,), ks=(20,), seeds=2),
+    "paper": SweepConfig(
+        base=TrainConfig(problem=REALISTIC_PROBLEM, policy="neural", steps=60),
+        rules=("ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_agg", "pdm_topk"),
+        mismatches=("none", "bf16_engine:0", REALISTIC_MISMATCH, REALISTIC_STRONG,
+                    "fp8_engine:0+lognormal:0.06", *STRESS_MISMATCHES.values()),
+        deltas=(0.05, 0.15), ks=(20,), seeds=61),
+    "stress": SweepConfig(
+        base=TrainConfig(problem=_OLD_TOKEN_MDP, policy="neural", steps=20),
+        rules=("none", "ppo_clip", "dppo_topk_kl", "pdm_topk"),
         mismatches=("none", "noise:1", "noise:2"),
         deltas=(0.15,), ks=(20,), seeds=4),
     # SPEC §4b: the rules verl and slime ship, beside the paper's baseline and PDM (quick's size)
     "frameworks": SweepConfig(
-        base=TrainConfig(problem=_TOKEN_MDP, policy="neural", steps=20),
+        base=TrainConfig(problem=_OLD_TOKEN_MDP, policy="neural", steps=20),
         rules=("ppo_clip", "ppo_clip_dual", "seq_geo_mean", "seq_k3", "opsm", "token_k1", "dppo_topk_kl",
                "pdm_topk"),
         mismatches=("none", "noise:1", "noise:2"),
         deltas=(0.15,), ks=(20,), seeds=4),
-    "paper": SweepConfig(
-        base=TrainConfig(problem=_TOKEN_MDP, policy="neural", steps=60),
-        rules=("ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_agg", "pdm_topk"),
-        mismatches=("none", "noise:0.5", "noise:1", "noise:2", "tail_noise:2", "temperature:0.3",
-                    "fp8_e4m3:16", "fp8_e4m3_weights:0", "stale:4"),
-        deltas=(0.05, 0.15), ks=(20,), seeds=61),
     # a reproduced collapse under mismatch (see ``collapse``): 5 rules × 3 settings × 16 seeds
     "collapse": COLLAPSE_SWEEP,
 }
 
 AUDIT_PRESETS: dict[str, AuditConfig] = {
-    # the softmax bandit: fast, and the hardest case for a per-token direction test (the 16
-    # responses of a prompt share one state, so every update is coupled within its group)
-    "quick": AuditConfig(seeds=16, k_sweep=(5, 20, 100), k_sweep_seeds=4),
-    # the paper's statistics on the most LLM-like toy: token MDP, neural policy (shared weights)
-    "paper": AuditConfig(problem=_TOKEN_MDP, policy="neural"),
+    "quick": AuditConfig(problem=REALISTIC_PROBLEM, policy="neural", mismatch=REALISTIC_STRONG,
+                         seeds=4, sequences=512, n_boot=2000),
+    # the paper's statistics in the realistic regime, with the stress study beside it
+    "paper": AuditConfig(problem=REALISTIC_PROBLEM, policy="neural", mismatch=REALISTIC_STRONG,
+                         stress_mismatch="noise:1", stress_seeds=4),
+    # the earlier harsh audit: bandit, i.i.d. noise, 16 tokens per state
+    "stress": AuditConfig(mismatch="noise:1", seeds=16, k_sweep=(5, 20, 100), k_sweep_seeds=4),
 }
 
 

@@ -10,6 +10,7 @@ Both expose ``collect(policy, mismatch, num_groups, group_size, rng) -> RolloutB
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import field
 from typing import Annotated
@@ -20,7 +21,7 @@ from torch import Tensor
 from pdm_lab.config import at_least, config_dataclass, one_of, positive  # field checks
 
 from .bandit import BanditConfig, SoftmaxBandit
-from .encoders import AutomatonEncoder, BanditEncoder
+from .encoders import AutomatonEncoder, BanditEncoder, context_hash
 from .mismatch import Mismatch
 from .prior import zipf_logits
 from .rollout import RolloutBatch, RolloutRNG
@@ -51,14 +52,33 @@ class TokenMDPConfig:
     """``grammar``: shortest accepted answer."""
     task_seed: int = 0
     """``grammar``: seed of the hidden DFA."""
+    paraphrases: Annotated[int, at_least(1)] = 1
+    """``sum``: prompt tokens per target (m·p prompts): distinct contexts for one instance."""
     temperature: Annotated[float, positive] = 1.0
-    """Zipf temperature τ of the prior logits (tail mass)."""
+    """Zipf temperature τ of the prior logits (tail mass; τ ≈ 0.3 puts ≥ 99% on the top 20)."""
+    temperature_spread: Annotated[float, positive] = 1.0
+    """per-row τ drawn log-uniformly in [τ/spread, τ·spread]: an entropy profile (1 = all equal)."""
+    prior_rows: Annotated[int, at_least(0)] = 0
+    """0: one prior row per automaton state; R > 0: the row is a hash of the whole context
+    (prompt and prefix) mod R, so the pretrained distribution depends on the prefix as an LLM's."""
+    eos_top_fraction: float = 1.0
+    """fraction of prior rows whose favourite token is EOS (the rest rank it at random)."""
+    logit_offset: float = 0.0
+    """LLM-like logit level: row r is shifted by offset·(0.5 + u_r); softmax-invariant, but a
+    low-precision engine rounds at that magnitude."""
     prior_seed: int = 0
     """seed of the prior's permutations."""
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eos_top_fraction <= 1.0:
+            raise ValueError(f"eos_top_fraction: must be in [0, 1], got {self.eos_top_fraction}")
+        if self.temperature <= 0 or self.temperature_spread < 1 or self.prior_rows < 0:
+            raise ValueError("temperature must be > 0, temperature_spread ≥ 1, prior_rows ≥ 0")
+
     def task_kwargs(self) -> dict:
         if self.task == "sum":
-            return dict(vocab_size=self.vocab_size, modulus=self.modulus, max_len=self.max_len)
+            return dict(vocab_size=self.vocab_size, modulus=self.modulus, max_len=self.max_len,
+                        paraphrases=self.paraphrases)
         return dict(vocab_size=self.vocab_size, num_states=self.grammar_states,
                     num_classes=self.grammar_classes, max_len=self.max_len,
                     min_len=self.min_len, task_seed=self.task_seed)
@@ -108,11 +128,13 @@ class BanditProblem:
         engine = mismatch.behaviour_copy(policy)
         u = rng.sampling.take(rows.numel())
         if mismatch.stochastic:  # each row gets its own noise: one μ per sampled token
-            logits = mismatch.behaviour_logits(engine(prompts[rows][:, None]), rng.noise)
+            obs = prompts[rows][:, None]
+            logits = mismatch.behaviour_logits(engine(obs), rng.noise, context_hash(obs))
             tokens = sample_from_logits(logits, u)
             mu_logp = torch.log_softmax(logits, dim=-1)
         else:  # one μ per prompt: sample every group member from the prompt's CDF
-            logits = mismatch.behaviour_logits(engine(prompts[:, None]), rng.noise)
+            obs = prompts[:, None]
+            logits = mismatch.behaviour_logits(engine(obs), rng.noise, context_hash(obs))
             cdf = torch.softmax(logits.double(), dim=-1).cumsum(dim=-1)
             tokens = sample_from_cdf(cdf, rows, u)
             mu_logp = torch.log_softmax(logits, dim=-1)[rows]
@@ -136,10 +158,9 @@ class TokenMDPProblem:
     def __init__(self, config: TokenMDPConfig):
         self.config = config
         self.task = make_task(config.task, **config.task_kwargs())
-        self.encoder = AutomatonEncoder(self.task)
-        gen = torch.Generator().manual_seed(config.prior_seed)
-        self.prior = zipf_logits(self.encoder.num_states, self.task.vocab_size,
-                                 temperature=config.temperature, generator=gen, fixed_top=EOS)
+        self.encoder = AutomatonEncoder(self.task, prior_rows=config.prior_rows)
+        self.prior = _token_mdp_prior(config, config.prior_rows or self.encoder.num_states,
+                                      self.task.vocab_size)
         self.vocab_size = self.task.vocab_size
         self.horizon = self.task.max_len
         self._envs: dict[int, TokenMDPVectorEnv] = {}
@@ -166,7 +187,7 @@ class TokenMDPProblem:
             obs_buf[:, t] = obs
             logits = engine(obs)
             if mismatch is not None:
-                logits = mismatch.behaviour_logits(logits, noise)
+                logits = mismatch.behaviour_logits(logits, noise, context_hash(obs))
             token = sample_from_logits(logits, uniforms.take(b))
             obs_np, reward, terminated, truncated, _ = env.step(token.numpy())
             tokens[:, t] = torch.where(alive, token, 0)
@@ -197,6 +218,24 @@ class TokenMDPProblem:
         prompts = torch.randint(self.task.num_prompts, (num_sequences,), generator=gen)
         batch = self._run(policy, None, prompts, UniformPool(gen), gen, seed)
         return float(batch.rewards.mean())
+
+
+@functools.lru_cache(maxsize=4)
+def _token_mdp_prior(config: TokenMDPConfig, rows: int, n: int) -> Tensor:
+    """[rows, n] Zipf prior: per-row τ, EOS the favourite in a fraction of rows, a logit level.
+
+    Cached (a sweep builds the same problem for every run; the policies copy it)."""
+    gen = torch.Generator().manual_seed(config.prior_seed)
+    if config.temperature_spread == 1.0 and config.eos_top_fraction == 1.0 and config.logit_offset == 0.0:
+        # the original prior, draw for draw (keeps earlier figures reproducible)
+        return zipf_logits(rows, n, temperature=config.temperature, generator=gen, fixed_top=EOS)
+    u = torch.rand(rows, generator=gen, dtype=torch.float64) * 2 - 1
+    tau = config.temperature * config.temperature_spread ** u
+    eos_rows = torch.rand(rows, generator=gen) < config.eos_top_fraction
+    with_eos = zipf_logits(rows, n, temperature=tau, generator=gen, fixed_top=EOS)
+    free = zipf_logits(rows, n, temperature=tau, generator=gen)
+    prior = torch.where(eos_rows[:, None], with_eos, free)
+    return prior + config.logit_offset * (0.5 + torch.rand(rows, 1, generator=gen))
 
 
 def make_problem(config: ProblemConfig):

@@ -104,56 +104,116 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
     return lines
 
 
-def audit_section(doc: dict, figures: dict[str, Path], root: Path) -> list[str]:
-    cfg = doc["config"]
-    lines = ["## Direction audit (SPEC §6)", "",
-             f"{cfg['seeds']} seeds × {cfg['sequences']} sequences, problem `{cfg['problem']['kind']}`, "
-             f"policy `{cfg['policy']}`, mismatch `{cfg['mismatch']}`, δ = {cfg['delta']}, K = {cfg['k']}, "
-             f"one `{cfg['optimizer']}` step (lr {cfg['lr']}) per rule from the same parameters; "
-             f"on average {doc['outside_mean']:.1f} of {doc['tokens_mean']:.0f} tokens per seed were outside the region.", "",
-             "| pair A vs B | disagreement tokens / seed | A unsafe-keep | B unsafe-keep | A shrink | B shrink | A − B unsafe-keep [95% CI] | sign test p | seeds B lower / A lower |",
-             "| --- | ---: | --- | --- | --- | --- | --- | ---: | --- |"]
-    for pair in doc["pairs"]:
+def regime_section(tables: dict[str, dict], *, title: str = "### Regime (SPEC §6b calibration table)") -> list[str]:
+    """The calibration table of each mismatch setting, and which settings are in the realistic
+    band (outside fraction of Â ≠ 0 tokens 0.02–1%, p99.9/p50 ≥ 30)."""
+    from .calibrate import MARKDOWN_HEADER, markdown_row
+
+    lines = [title, "", MARKDOWN_HEADER]
+    for name, table in tables.items():
+        lines.append(markdown_row(f"`{name}`", table))
+    realistic = [n for n, t in tables.items() if _realistic(t)]
+    lines += ["", "Realistic (0.02–1% of Â ≠ 0 tokens outside δ and p99.9/p50 ≥ 30): "
+              + (", ".join(f"`{n}`" for n in realistic) or "none of these settings") + "; the others are stress settings.", ""]
+    return lines
+
+
+def _realistic(table: dict) -> bool:
+    return 0.0002 <= table["outside_fraction"] <= 0.01 and table["tail_ratio"] >= 30
+
+
+def stress_verdict(rows: list[dict], regime: dict[str, dict]) -> list[str]:
+    """Which configuration has the highest final reward over the realistic settings and over the
+    stress settings, and whether the verdict changes between them."""
+    groups = {"realistic": [r for r in rows if mismatch_label(r) in regime and _realistic(regime[mismatch_label(r)])],
+              "stress": [r for r in rows if mismatch_label(r) in regime and not _realistic(regime[mismatch_label(r)])
+                         and mismatch_label(r) != "none"]}
+    best = {}
+    for name, group in groups.items():
+        if group:
+            summaries = {label: config_summary(g) for (label,), g in group_rows(group, lambda r: (config_label(r),)).items()}
+            best[name] = (max(summaries, key=lambda k: summaries[k]["final_reward"][0]),
+                          _winner(summaries, lambda s: s["final_reward"][0], higher=True, interval=lambda s: s["final_reward"]))
+    lines = []
+    for name in ("realistic", "stress"):
+        if name in best:
+            lines.append(f"- highest final reward over the {name} settings: {best[name][1]}")
+    if len(best) == 2:
+        same = best["realistic"][0] == best["stress"][0]
+        lines.append("- the verdict " + ("is the same under the stress settings." if same else
+                                         "**changes** under the stress settings: a stress-regime result does not carry over."))
+    elif lines:
+        lines.append("- no stress setting in this grid: whether the verdict changes under stress is not measured here "
+                     "(the `stress` preset and the paper audit's stress study measure it).")
+    return lines + [""] if lines else []
+
+
+def _rule_tables(per_rule: dict) -> list[str]:
+    lines = ["| rule | scored against | unsafe-keep, top-K KL | shrink, top-K KL | flat | unsafe-keep, full KL | shrink, full KL | kept disagreement tokens |",
+             "| --- | --- | --- | --- | --- | --- | --- | ---: |"]
+    for rule, r in per_rule.items():
+        t, f = r["topk_kl"], r["full_kl"]
+        lines.append(f"| {rule} | {r['scored_against']} | {_pct(t['unsafe_keep_pooled'])} | {_pct(t['shrink_pooled'])} | "
+                     f"{_pct(t['flat_pooled'])} | {_pct(f['unsafe_keep_pooled'])} | {_pct(f['shrink_pooled'])} | "
+                     f"{t['kept_disagreement_tokens']} |")
+    return lines
+
+
+def _pair_table(pairs: list[dict]) -> list[str]:
+    lines = ["| pair A vs B | disagreement tokens / seed | A unsafe-keep (pooled) | B unsafe-keep (pooled) | pooled A − B [95% seed-bootstrap CI] | per-seed A − B [95% CI] | sign test p | seeds B lower / A lower |",
+             "| --- | ---: | --- | --- | --- | --- | ---: | --- |"]
+    for pair in pairs:
         a, b = pair["a"], pair["b"]
-        d = pair["unsafe_keep_diff"]
-        lines.append(f"| {a} vs {b} | {pair['disagreement_mean']:.1f} | {_pct(pair[a]['unsafe_keep_mean'])} | "
-                     f"{_pct(pair[b]['unsafe_keep_mean'])} | {_pct(pair[a]['shrink_mean'])} | {_pct(pair[b]['shrink_mean'])} | "
+        d, pooled = pair["unsafe_keep_diff"], pair["pooled_unsafe_keep_diff"]
+        lines.append(f"| {a} vs {b} | {pair['disagreement_mean']:.2f} | {_pct(pair[a]['unsafe_keep_pooled'])} | "
+                     f"{_pct(pair[b]['unsafe_keep_pooled'])} | {_num(pooled['mean_diff'])} [{_num(pooled['ci_low'])}, {_num(pooled['ci_high'])}] | "
                      f"{_num(d['mean_diff'])} [{_num(d['ci_low'])}, {_num(d['ci_high'])}] | {_p(d['sign_test_p'])} | "
                      f"{d['b_lower_seeds']} / {d['a_lower_seeds']} of {d['seeds_used']} |")
-    main = doc["pairs"][0]
-    d = main["unsafe_keep_diff"]
-    if not math.isnan(d["mean_diff"]):
-        if d["ci_low"] > 0:
-            verdict = f"{main['b']} keeps fewer divergence-growing updates than {main['a']} (CI excludes 0)."
-        elif d["ci_high"] < 0:
-            verdict = f"{main['a']} keeps fewer divergence-growing updates than {main['b']} (CI excludes 0): the predictive rule does not win here."
-        else:
-            verdict = "the difference is not significant at 95% (CI contains 0)."
-        lines += ["", f"Verdict on the main pair: {verdict} The paper reports 36.9% (ratio) vs 34.2% (predictive) without an interval.", ""]
-    single = (doc.get("studies") or {}).get("single_token")
-    if single:
-        lines += ["### Study (a): single-token vs full-batch update", "",
-                  "Each disagreement token a rule kept, updated alone (its share of the token-mean loss) versus the "
-                  "full-batch step; same tokens.", "",
-                  "| rule | tokens | unsafe-keep, single-token | unsafe-keep, full batch | batch − single [95% CI] |",
-                  "| --- | ---: | --- | --- | --- |"]
-        for rule, s in single.items():
-            c = s["batch_minus_single"]
-            lines.append(f"| {rule} | {s['tokens']} | {_pct(s['single_unsafe_keep_pooled'])} | {_pct(s['batch_unsafe_keep_pooled'])} | "
-                         f"{_num(c['mean_diff'])} [{_num(c['ci_low'])}, {_num(c['ci_high'])}] |")
-        a, b = main["a"], main["b"]
-        if a in single and b in single:
-            sa, sb = single[a], single[b]
-            lines += ["", f"Alone, {b}'s kept disagreement tokens grew D {_pct(sb['single_unsafe_keep_pooled'])} of the time "
-                      f"and {a}'s {_pct(sa['single_unsafe_keep_pooled'])} (the first-order prediction of SPEC §3 at work); "
-                      f"in the full-batch step the same tokens grew D {_pct(sb['batch_unsafe_keep_pooled'])} vs "
-                      f"{_pct(sa['batch_unsafe_keep_pooled'])}. The gap between the two columns is what the "
-                      "coupling of tokens through shared parameters (and, with Adam, the preconditioner) adds."]
-        lines.append("")
-    ks = (doc.get("studies") or {}).get("k_sweep")
+    return lines
+
+
+def audit_section(doc: dict, figures: dict[str, Path], root: Path) -> list[str]:
+    from pdm_lab.audit import verdict
+
+    cfg = doc["config"]
+    step = doc["step"]
+    lines = ["## Direction audit (SPEC §6)", "",
+             f"{cfg['seeds']} seeds × {cfg['sequences']} sequences, problem `{cfg['problem']['kind']}`, "
+             f"policy `{cfg['policy']}`, mismatch `{cfg['mismatch']}`, δ = {cfg['delta']}, K = {cfg['k']}. "
+             f"Step: one `{step['optimizer']}` step per rule from the same parameters, effective per-token step "
+             f"η = {step['effective_per_token_step']:g} ({step['loss']}). Precision: ΔD in {doc['precision']} "
+             f"(policy, μ and the step cast for the measurement), |ΔD| ≤ {doc['tolerance']:g} counted flat. "
+             f"Outside and disagreement sets are over Â ≠ 0 tokens: on average {doc['outside_mean']:.1f} outside of "
+             f"{doc['tokens_mean']:.0f} response tokens per seed ({doc['zero_advantage_mean']:.0f} had Â = 0).", ""]
+    if doc.get("regime"):
+        lines += regime_section({cfg["mismatch"]: doc["regime"]}, title="### Regime of the audited batches")
+    for ctx, block in doc["contexts"].items():
+        label = {"shared": "shared states (the batch as it is)", "distinct": "one token per state"}[ctx]
+        lines += [f"### {label}: tokens per state {block['tokens_per_state_mean']:.2f}", "",
+                  "Each rule over the disagreement tokens it kept (pooled over seeds), against both divergences; "
+                  "*scored against* is the divergence its direction test predicts.", ""]
+        lines += _rule_tables(block["per_rule"]) + [""] + _pair_table(block["pairs"])
+        main = block["pairs"][0]
+        lines += ["", f"Verdict on the main pair ({ctx}), per seed: {verdict(main['unsafe_keep_diff'], main['a'], main['b'])} "
+                  f"Pooled over seeds: {verdict(main['pooled_unsafe_keep_diff'], main['a'], main['b'])} "
+                  "The paper reports 36.9% (ratio) vs 34.2% (predictive) without an interval.", ""]
+    studies = doc.get("studies") or {}
+    stress = studies.get("stress")
+    if stress:
+        pair = stress["pair"]
+        a, b = pair["a"], pair["b"]
+        d = pair["unsafe_keep_diff"]
+        lines += ["### Under a stress setting", "",
+                  f"The main pair on `{stress['mismatch']}` ({stress['seeds']} seeds, {stress['outside_mean']:.0f} outside "
+                  f"of {stress['tokens_mean']:.0f} tokens per seed): {a} {_pct(pair[a]['unsafe_keep_pooled'])} vs "
+                  f"{b} {_pct(pair[b]['unsafe_keep_pooled'])} unsafe-keep; A − B {_num(d['mean_diff'])} "
+                  f"[{_num(d['ci_low'])}, {_num(d['ci_high'])}]. {stress['verdict']} "
+                  + ("**The verdict changes** between the realistic regime and this stress setting."
+                     if stress["verdict_changes"] else "The verdict is the same as in the realistic regime."), ""]
+    ks = studies.get("k_sweep")
     if ks:
-        a, b = main["a"], main["b"]
-        lines += ["### Study (b): K sweep", "",
+        a, b = doc["pairs"][0]["a"], doc["pairs"][0]["b"]
+        lines += ["### K sweep", "",
                   f"| K | outside / seed | disagreement / seed | {a} unsafe-keep | {b} unsafe-keep | A − B [95% CI] | mean μ_T |",
                   "| ---: | ---: | ---: | --- | --- | --- | --- |"]
         for row in ks:
@@ -169,10 +229,15 @@ def audit_section(doc: dict, figures: dict[str, Path], root: Path) -> list[str]:
 
 def write_report(path: Path, *, title: str, intro: list[str], rows: list[dict] | None = None,
                  sweep_figs: dict[str, Path] | None = None, audit: dict | None = None,
-                 audit_figs: dict[str, Path] | None = None) -> Path:
-    """Assemble report.md (figure links relative to its folder)."""
+                 audit_figs: dict[str, Path] | None = None, regime: dict[str, dict] | None = None) -> Path:
+    """Assemble report.md (figure links relative to its folder); ``regime``: the calibration table
+    of each mismatch setting."""
     root = path.parent
     lines = [f"# {title}", ""] + intro + [""]
+    if regime:
+        lines += regime_section(regime, title="## Regime (SPEC §6b calibration table)")
+        if rows:
+            lines += stress_verdict(rows, regime)
     if rows is not None:
         lines += sweep_section(rows, sweep_figs or {}, root)
     if audit is not None:

@@ -5,29 +5,13 @@ import math
 from collections import defaultdict
 from typing import Callable, Iterable
 
-import torch
-
+from pdm_lab.audit import mean_ci  # noqa: F401  (SPEC §6 statistics live in the core)
 from pdm_lab.masks import MASK_RULES
 from pdm_lab.metrics import finalize, merge_metrics, metric
 
 
 def finite(values: Iterable) -> list[float]:
     return [float(v) for v in values if v is not None and not math.isnan(float(v))]
-
-
-def mean_ci(values: Iterable, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Mean and a percentile-bootstrap CI over runs (NaN/None dropped; one value: a zero-width CI)."""
-    xs = finite(values)
-    if not xs:
-        return math.nan, math.nan, math.nan
-    x = torch.tensor(xs, dtype=torch.float64)
-    if len(xs) == 1:
-        return xs[0], xs[0], xs[0]
-    gen = torch.Generator().manual_seed(seed)
-    means = x[torch.randint(0, len(xs), (n_boot, len(xs)), generator=gen)].mean(dim=1)
-    alpha = (1 - level) / 2
-    lo, hi = torch.quantile(means, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
-    return float(x.mean()), float(lo), float(hi)
 
 
 def wilson_ci(successes: int, trials: int, *, z: float = 1.959964) -> tuple[float, float, float]:

@@ -50,6 +50,18 @@ class AutomatonTask:
     transition: np.ndarray
     accept: np.ndarray
     min_len: int = 1
+    prompt_class: np.ndarray | None = None
+    """[num_prompts] int64: prompts that are paraphrases of one instance share a class (the
+    automaton's sufficient statistic); None: every prompt is its own class."""
+
+    @property
+    def classes(self) -> np.ndarray:
+        """[num_prompts] int64 class of each prompt (identity without paraphrases)."""
+        return np.arange(self.num_prompts) if self.prompt_class is None else self.prompt_class
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.classes.max()) + 1
 
     @property
     def num_states(self) -> int:
@@ -67,8 +79,12 @@ class AutomatonTask:
         return 1 + self.max_len
 
 
-def target_sum_task(vocab_size: int = 128, modulus: int = 8, max_len: int = 6) -> AutomatonTask:
-    """The ``sum`` task: answer tokens whose values (id mod m) sum to the prompt c mod m."""
+def target_sum_task(vocab_size: int = 128, modulus: int = 8, max_len: int = 6,
+                    paraphrases: int = 1) -> AutomatonTask:
+    """The ``sum`` task: answer tokens whose values (id mod m) sum to the prompt c mod m.
+
+    ``paraphrases`` p > 1 gives m·p prompt tokens, prompt c asking for the target c mod m: many
+    distinct contexts for the same instance, as an LLM's prompt set has."""
     if vocab_size < modulus + 1:
         raise ConfigError(f"vocab_size ({vocab_size}) must exceed modulus ({modulus})")
     if max_len < 2:
@@ -77,10 +93,15 @@ def target_sum_task(vocab_size: int = 128, modulus: int = 8, max_len: int = 6) -
     state = np.arange(modulus)[:, None]
     transition = (state + values[None, :]) % modulus
     transition[:, EOS] = state[:, 0]
-    accept = np.eye(modulus, dtype=bool)  # accept[c, s] = (s == c)
+    if paraphrases < 1:
+        raise ValueError(f"paraphrases must be ≥ 1, got {paraphrases}")
+    prompts = modulus * paraphrases
+    target = np.arange(prompts, dtype=np.int64) % modulus
+    accept = target[:, None] == np.arange(modulus)[None, :]  # accept[c, s] = (s == c mod m)
     return AutomatonTask(name="sum", vocab_size=vocab_size, max_len=max_len,
-                         num_prompts=modulus, start=np.zeros(modulus, dtype=np.int64),
-                         transition=transition.astype(np.int64), accept=accept, min_len=1)
+                         num_prompts=prompts, start=np.zeros(prompts, dtype=np.int64),
+                         transition=transition.astype(np.int64), accept=accept, min_len=1,
+                         prompt_class=None if paraphrases == 1 else target)
 
 
 def grammar_task(vocab_size: int = 128, num_states: int = 4, num_classes: int = 4,

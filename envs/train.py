@@ -171,8 +171,8 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
                         after = current_stats(policy, mb, full=False)
                         rates = unsafe_keep_rates(after.topk_kl - out.stats.topk_kl, kept)
                         parts.append({
-                            "audit/unsafe_keep": metric("mean", rates["unsafe_count"], rates["count"]),
-                            "audit/shrink": metric("mean", rates["shrink_count"], rates["count"]),
+                            "audit/unsafe_keep": metric("mean", rates["grew"], rates["count"]),
+                            "audit/shrink": metric("mean", rates["shrank"], rates["count"]),
                             "audit/considered": metric("sum", rates["count"]),
                         })
                 if nonfinite:

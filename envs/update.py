@@ -49,16 +49,19 @@ class TokenBatch:
         return TokenBatch(obs=self.obs[tok], support=support, mu_full=self.mu_full[tok],
                           advantages=self.advantages[rows], response_mask=self.response_mask[rows])
 
-    def single(self, token: int) -> "TokenBatch":
-        """Token row ``token`` alone, as a [1, 1] batch (the single-token update study)."""
-        b_t = self.advantages.reshape(-1)
-        sel = torch.tensor([token])
+    def rows(self, tokens: Tensor) -> "TokenBatch":
+        """Token rows ``tokens`` ([M] int64) alone, as an [M, 1] batch (one token per sequence)."""
         support = dataclasses.replace(
-            self.support, **{f.name: getattr(self.support, f.name)[sel]
+            self.support, **{f.name: getattr(self.support, f.name)[tokens]
                              for f in dataclasses.fields(Support) if f.name != "vocab_size"})
-        return TokenBatch(obs=self.obs[sel], support=support, mu_full=self.mu_full[sel],
-                          advantages=b_t[sel].view(1, 1),
-                          response_mask=self.response_mask.reshape(-1)[sel].view(1, 1))
+        m = tokens.numel()
+        return TokenBatch(obs=self.obs[tokens], support=support, mu_full=self.mu_full[tokens],
+                          advantages=self.advantages.reshape(-1)[tokens].view(m, 1),
+                          response_mask=self.response_mask.reshape(-1)[tokens].view(m, 1))
+
+    def single(self, token: int) -> "TokenBatch":
+        """Token row ``token`` alone, as a [1, 1] batch."""
+        return self.rows(torch.tensor([token]))
 
     @property
     def num_tokens(self) -> int:

@@ -1,40 +1,106 @@
-"""Statistics of the direction audit (SPEC §6). The environment runs the updates; this scores them.
+"""Statistics of the direction audit (SPEC §6) and of the regime it runs in (SPEC §6b).
 
-The paper reports point rates only; pdm_lab adds per-seed values, a paired bootstrap CI of the
-difference and an exact two-sided sign test.
+The stages run the updates; everything that scores them lives here, once: per-token ΔD
+classified with a tolerance (grow / shrink / flat, with counts), pooling over seeds, the paired
+bootstrap CI of a difference, the exact sign test, the paired comparison of two rules, the
+bootstrap CI of a mean, which divergence a rule's direction test predicts, and the calibration
+table of a mismatch regime. The paper reports point rates only; pdm_lab adds per-seed values,
+counts, a paired bootstrap CI and a sign test.
 """
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 from torch import Tensor
 
 from .errors import PDMInputError, check_same
+from .masks import MaskRule
+
+#: The divergences whose change the audit measures (keys of audit.json's per-rule tables).
+MEASURED_DIVERGENCES = ("topk_kl", "full_kl")
+
+#: Quantiles of the calibration table (SPEC §6b), as key → probability.
+D_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99, "p999": 0.999}
+
+
+def predicted_divergence(rule: MaskRule) -> str:
+    """The divergence whose first-order change a rule's direction test predicts (SPEC §6).
+
+    Ḋ_exact is the derivative of the full KL, so ``pdm_exact`` is scored against ``full_kl``.
+    Every other rule is scored against the top-K KL: ``pdm_topk``'s Ḋ is its exact derivative,
+    ``pdm_agg``/``pdm_uniform`` estimate it with a guessed tail, the ratio test (``dppo_*``,
+    ``ppo_clip``) is the first-order rule for the per-token |log r|, and ``none`` predicts nothing.
+    Read from the record (``MaskRule.estimator``), never from the name.
+    """
+    return "full_kl" if rule.estimator == "exact" else "topk_kl"
 
 
 @torch.no_grad()
-def unsafe_keep_rates(delta_d: Tensor, considered: Tensor) -> dict[str, float]:
+def delta_rates(delta_d: Tensor, considered: Tensor, tol: float = 0.0) -> dict[str, float]:
     """Over the tokens in `considered` (disagreement tokens a rule kept): how often D grew.
 
     Args:
-        delta_d: [N] ΔD = D_after − D_before per token.
+        delta_d: [N] ΔD = D_after − D_before per token (float64 for an audit).
         considered: [N] bool.
+        tol: |ΔD| ≤ tol counts as flat (neither grow nor shrink), reported separately.
 
     Returns:
-        ``unsafe_keep`` (fraction with ΔD > 0), ``shrink`` (ΔD < 0), ``count``; rates are NaN
-        when nothing was considered (reported, never averaged in silently); ``unsafe_count`` and
-        ``shrink_count`` the numerators (what merges exactly across batches).
+        ``unsafe_keep`` (fraction with ΔD > tol), ``shrink`` (ΔD < −tol), ``flat``, and the
+        counts ``count``, ``grew``, ``shrank``, ``flat_count``; rates are NaN when nothing was
+        considered (reported, never averaged in silently).
     """
     check_same(("delta_d", "considered"), delta_d, considered)
+    if tol < 0:
+        raise PDMInputError(f"tol: must be ≥ 0, got {tol}")
     sel = delta_d[considered.bool()]
+    if not bool(torch.isfinite(sel).all()):
+        raise PDMInputError("delta_d: non-finite ΔD among the considered tokens")
     count = int(sel.numel())
+    grew, shrank = int((sel > tol).sum()), int((sel < -tol).sum())
+    flat = count - grew - shrank
     if count == 0:
-        return {"unsafe_keep": float("nan"), "shrink": float("nan"), "count": 0, "unsafe_count": 0,
-                "shrink_count": 0}
-    unsafe, shrink = int((sel > 0).sum()), int((sel < 0).sum())
-    return {"unsafe_keep": unsafe / count, "shrink": shrink / count, "count": count,
-            "unsafe_count": unsafe, "shrink_count": shrink}
+        nan = float("nan")
+        return {"unsafe_keep": nan, "shrink": nan, "flat": nan, "count": 0, "grew": 0, "shrank": 0,
+                "flat_count": 0}
+    return {"unsafe_keep": grew / count, "shrink": shrank / count, "flat": flat / count,
+            "count": count, "grew": grew, "shrank": shrank, "flat_count": flat}
+
+
+def unsafe_keep_rates(delta_d: Tensor, considered: Tensor, tol: float = 0.0) -> dict[str, float]:
+    """``delta_rates`` (kept name for the training loop's online rate)."""
+    return delta_rates(delta_d, considered, tol)
+
+
+def pool(entries: Iterable[dict]) -> dict[str, float]:
+    """Rates pooled over seeds from their counts (each token weighs the same)."""
+    entries = list(entries)
+    count = sum(int(e["count"]) for e in entries)
+    grew = sum(int(e["grew"]) for e in entries)
+    shrank = sum(int(e["shrank"]) for e in entries)
+    nan = float("nan")
+    return {"unsafe_keep": grew / count if count else nan, "shrink": shrank / count if count else nan,
+            "flat": (count - grew - shrank) / count if count else nan, "count": count, "grew": grew,
+            "shrank": shrank}
+
+
+def _finite_mean(values: list[float]) -> float:
+    xs = [v for v in values if not math.isnan(v)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def rate_summary(entries: list[dict]) -> dict:
+    """Per-seed ``delta_rates`` entries → per-seed lists, the mean over seeds with a rate, pooled."""
+    pooled = pool(entries)
+    unsafe = [e["unsafe_keep"] for e in entries]
+    shrink = [e["shrink"] for e in entries]
+    return {"unsafe_keep_per_seed": unsafe, "shrink_per_seed": shrink,
+            "flat_per_seed": [e["flat"] for e in entries],
+            "count_per_seed": [e["count"] for e in entries],
+            "unsafe_keep_mean": _finite_mean(unsafe), "shrink_mean": _finite_mean(shrink),
+            "unsafe_keep_pooled": pooled["unsafe_keep"], "shrink_pooled": pooled["shrink"],
+            "flat_pooled": pooled["flat"], "kept_disagreement_tokens": pooled["count"]}
 
 
 def _paired(x, y) -> tuple[Tensor, Tensor]:
@@ -46,6 +112,27 @@ def _paired(x, y) -> tuple[Tensor, Tensor]:
     return x[keep], y[keep]
 
 
+def _bootstrap_means(x: Tensor, n_boot: int, level: float, seed: int) -> tuple[float, float]:
+    gen = torch.Generator().manual_seed(seed)
+    means = x[torch.randint(0, x.numel(), (n_boot, x.numel()), generator=gen)].mean(dim=1)
+    alpha = (1.0 - level) / 2.0
+    lo, hi = torch.quantile(means, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64))
+    return float(lo), float(hi)
+
+
+def mean_ci(values: Iterable, *, level: float = 0.95, n_boot: int = 2000,
+            seed: int = 0) -> tuple[float, float, float]:
+    """Mean and a percentile-bootstrap CI over runs (NaN/None dropped; one value: a zero-width CI)."""
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if not xs:
+        return math.nan, math.nan, math.nan
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    x = torch.tensor(xs, dtype=torch.float64)
+    lo, hi = _bootstrap_means(x, n_boot, level, seed)
+    return float(x.mean()), lo, hi
+
+
 def paired_bootstrap_ci(x, y, *, n_boot: int = 10_000, level: float = 0.95,
                         seed: int = 0) -> tuple[float, float, float]:
     """Mean of x − y over paired seeds and a percentile bootstrap CI (pairs with a NaN dropped)."""
@@ -53,12 +140,8 @@ def paired_bootstrap_ci(x, y, *, n_boot: int = 10_000, level: float = 0.95,
     diff = x - y
     if diff.numel() == 0:
         return float("nan"), float("nan"), float("nan")
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, diff.numel(), (n_boot, diff.numel()), generator=gen)
-    means = diff[idx].mean(dim=1)
-    alpha = (1.0 - level) / 2.0
-    lo, hi = torch.quantile(means, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64))
-    return float(diff.mean()), float(lo), float(hi)
+    lo, hi = _bootstrap_means(diff, n_boot, level, seed)
+    return float(diff.mean()), lo, hi
 
 
 def sign_test(x, y) -> float:
@@ -71,3 +154,101 @@ def sign_test(x, y) -> float:
         return 1.0
     tail = sum(math.comb(n, i) for i in range(0, min(wins, losses) + 1)) / 2.0 ** n
     return min(1.0, 2.0 * tail)
+
+
+def compare_paired(x: list[float], y: list[float], *, n_boot: int = 10_000) -> dict:
+    """Paired over seeds: mean of x − y, bootstrap 95% CI, sign test, wins per side, ties."""
+    mean, lo, hi = paired_bootstrap_ci(x, y, n_boot=n_boot)
+    xs, ys = _paired(x, y)
+    return {"mean_diff": mean, "ci_low": lo, "ci_high": hi, "level": 0.95,
+            "sign_test_p": sign_test(x, y), "seeds_used": int(xs.numel()),
+            "a_lower_seeds": int((xs < ys).sum()), "b_lower_seeds": int((ys < xs).sum()),
+            "ties": int((xs == ys).sum())}
+
+
+def pooled_diff_ci(a: list[dict], b: list[dict], *, n_boot: int = 10_000, level: float = 0.95,
+                   seed: int = 0) -> dict:
+    """Pooled unsafe-keep of A minus B, with a seed-cluster bootstrap CI (seeds resampled, each
+    keeping all its tokens): usable where few tokens per seed leave most per-seed rates undefined.
+
+    Args:
+        a, b: per-seed ``delta_rates`` entries of the two rules, paired by seed.
+    """
+    if len(a) != len(b):
+        raise PDMInputError(f"paired seed lists differ in length: {len(a)} vs {len(b)}")
+    counts = torch.tensor([[e["count"] for e in a], [e["count"] for e in b]], dtype=torch.float64)
+    grew = torch.tensor([[e["grew"] for e in a], [e["grew"] for e in b]], dtype=torch.float64)
+    nan = float("nan")
+    if counts[0].sum() == 0 or counts[1].sum() == 0:
+        return {"mean_diff": nan, "ci_low": nan, "ci_high": nan, "level": level,
+                "tokens_a": int(counts[0].sum()), "tokens_b": int(counts[1].sum())}
+    point = float(grew[0].sum() / counts[0].sum() - grew[1].sum() / counts[1].sum())
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(a), (n_boot, len(a)), generator=gen)
+    ca, cb = counts[0][idx].sum(1), counts[1][idx].sum(1)
+    diffs = grew[0][idx].sum(1) / ca - grew[1][idx].sum(1) / cb
+    diffs = diffs[(ca > 0) & (cb > 0)]
+    alpha = (1.0 - level) / 2.0
+    lo, hi = torch.quantile(diffs, torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64))
+    return {"mean_diff": point, "ci_low": float(lo), "ci_high": float(hi), "level": level,
+            "tokens_a": int(counts[0].sum()), "tokens_b": int(counts[1].sum())}
+
+
+def verdict(diff: dict, a: str, b: str) -> str:
+    """One sentence on a paired A − B unsafe-keep comparison, as its CI supports."""
+    if math.isnan(diff["mean_diff"]):
+        return "no seed had kept disagreement tokens for both rules: no comparison."
+    if diff["ci_low"] > 0:
+        return f"{b} keeps fewer divergence-growing updates than {a} (95% CI of A − B excludes 0)."
+    if diff["ci_high"] < 0:
+        return f"{a} keeps fewer divergence-growing updates than {b} (95% CI of A − B excludes 0)."
+    return "the difference is not significant at 95% (the CI of A − B contains 0)."
+
+
+@torch.no_grad()
+def regime_table(d: Tensor, outside: Tensor, considered: Tensor, *,
+                 topk_mass: Tensor | None = None, entropy: Tensor | None = None,
+                 tokens_per_state: float | None = None) -> dict:
+    """The calibration table of a mismatch regime (SPEC §6b).
+
+    Args:
+        d: [N] per-token top-K KL D(μ‖π) over response tokens.
+        outside: [N] bool, D > δ (δ_neg for Â < 0).
+        considered: [N] bool, tokens with Â ≠ 0 (the only ones a rule can mask).
+        topk_mass: [N] μ's mass on its top K (1 − μ_T with k's slot left out), if known.
+        entropy: [N] μ's entropy in nats, if known.
+        tokens_per_state: response tokens per distinct context, if known.
+
+    Returns:
+        ``d_quantiles`` {p50, p90, p99, p999, max}, ``outside_fraction`` (of Â ≠ 0 tokens),
+        ``tail_ratio`` (p99.9/p50), ``topk_mass_quantiles``, ``entropy_quantiles``,
+        ``tokens_per_state``, and the counts behind them.
+    """
+    check_same(("d", "outside"), d, outside)
+    check_same(("d", "considered"), d, considered)
+    x = d.double()
+    if x.numel() == 0:
+        raise PDMInputError("d: no tokens to calibrate on")
+    probs = torch.tensor(list(D_QUANTILES.values()), dtype=torch.float64)
+    q = torch.quantile(x, probs)
+    quantiles = {key: float(v) for key, v in zip(D_QUANTILES, q)}
+    quantiles["max"] = float(x.max())
+    n_considered = int(considered.sum())
+    n_out = int((outside & considered).sum())
+    out = {"d_quantiles": quantiles,
+           "outside_fraction": n_out / n_considered if n_considered else float("nan"),
+           "tail_ratio": quantiles["p999"] / quantiles["p50"] if quantiles["p50"] > 0 else float("inf"),
+           "tokens": int(x.numel()), "nonzero_advantage_tokens": n_considered,
+           "zero_advantage_tokens": int(x.numel()) - n_considered, "outside_tokens": n_out,
+           "tokens_per_state": tokens_per_state}
+    mass_probs = torch.tensor([0.01, 0.05, 0.1, 0.5], dtype=torch.float64)
+    if topk_mass is not None:
+        m = topk_mass.double()
+        out["topk_mass_quantiles"] = {f"p{int(p * 100):02d}": float(v)
+                                      for p, v in zip(mass_probs, torch.quantile(m, mass_probs))}
+        out["topk_mass_ge_099"] = float((m >= 0.99).double().mean())
+    if entropy is not None:
+        ent_probs = torch.tensor([0.1, 0.5, 0.9, 0.99], dtype=torch.float64)
+        out["entropy_quantiles"] = {f"p{int(p * 100):02d}": float(v)
+                                    for p, v in zip(ent_probs, torch.quantile(entropy.double(), ent_probs))}
+    return out

@@ -31,6 +31,7 @@ from .data import PromptSampler
 from .distributed import Layout, all_reduce_max, all_reduce_sum, init_distributed, threads_per_rank
 from .evaluate import evaluate
 from .metrics_log import MetricsLog
+from .mismatch_sample import MismatchSample
 from .policy_model import DTYPES, PREFIX, load_lm, sequence_logprobs, shard_policy
 from .rollout import (engine_dtype, generate, make_engine, outputs_to_batch, request_seed,
                       sampling_params, score_sequence, shutdown_engine, updates_in_place)
@@ -157,6 +158,7 @@ def run_training(cfg: TrainConfig) -> Path:
         start = extra["step"]
         say(f"[train] resumed from {ckpt} at step {start}")
     log = MetricsLog(run_dir, tensorboard=cfg.log.tensorboard, resume_step=start, enabled=lay.is_main)
+    mismatch_sample = MismatchSample(run_dir, enabled=lay.is_main)  # for `pdm-lab calibrate --from-run`
 
     # ---- the engine starts from the trainer's exact weights (after a resume too), checked once
     in_place = updates_in_place(cfg.rollout)
@@ -217,7 +219,8 @@ def run_training(cfg: TrainConfig) -> Path:
         t0 = time.perf_counter()
         opt_step = (step - 1) * cfg.trainer.mini_batches
         upd = update_policy(policy, optimizer, batch, adv, cfg=cfg, vocab_size=model_info["vocab_size"],
-                            pad_id=pad_id, lr=learning_rate(cfg, opt_step), device=lay.device)
+                            pad_id=pad_id, lr=learning_rate(cfg, opt_step), device=lay.device,
+                            mismatch_sample=lambda stats, a, r: mismatch_sample.write(step, stats, a, r))
         times["train"] = time.perf_counter() - t0
         times["loss"] = upd.times["loss"]
 

@@ -133,7 +133,7 @@ class UpdateResult:
 
 
 def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cfg, vocab_size: int,
-                  pad_id: int, lr: float, device=None) -> UpdateResult:
+                  pad_id: int, lr: float, device=None, mismatch_sample=None) -> UpdateResult:
     """One pass over the batch: ``trainer.mini_batches`` optimiser steps (SPEC §7: one PPO epoch).
 
     Args:
@@ -146,6 +146,8 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         pad_id: padding token id for the trainer's inputs.
         lr: learning rate for these optimiser steps.
         device: where the trainer runs (default CPU).
+        mismatch_sample: callable ``(stats, adv, resp)`` given each micro-batch of the first
+            mini-batch, its per-token stats before any step (``mismatch_sample.MismatchSample``); None: no sample.
     """
     mask_cfg, tcfg = cfg.mask, cfg.trainer
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -176,6 +178,8 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
             loss_sum += float(out.loss.detach()) * weight
             loss_weight += weight
             parts.append(out.metric_sums)
+            if mb_index == 0 and mismatch_sample is not None:  # before any step: the realised mismatch
+                mismatch_sample(out.stats, mb.advantages, mb.response_mask)
         t0 = time.perf_counter()
         grad_norm = None
         if tcfg.grad_clip is not None:

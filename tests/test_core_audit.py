@@ -10,7 +10,8 @@ from pdm_lab.audit import paired_bootstrap_ci, sign_test, unsafe_keep_rates
 def test_rates():
     dd = torch.tensor([0.1, -0.2, 0.0, 0.3, -0.1])
     out = unsafe_keep_rates(dd, torch.tensor([True, True, True, False, True]))
-    assert out == {"unsafe_keep": 0.25, "shrink": 0.5, "count": 4, "unsafe_count": 1, "shrink_count": 2}
+    assert out == {"unsafe_keep": 0.25, "shrink": 0.5, "flat": 0.25, "count": 4, "grew": 1, "shrank": 2,
+                   "flat_count": 1}
     assert math.isnan(unsafe_keep_rates(dd, torch.zeros(5, dtype=torch.bool))["unsafe_keep"])
 
 
@@ -48,3 +49,74 @@ def test_group_advantages_invalid_samples_and_flat_groups():
     assert abs(float(a[:3].sum())) < 1e-6 and a[0] > 0 > a[1]
     torch.testing.assert_close(a[:3], torch.tensor([2 / 3, -1 / 3, -1 / 3]) / ((1 / 3) ** 0.5 + 1e-6))
     assert group_advantages(r, g, ok, scale_by_std=False)[:3].tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3])
+
+
+def test_tolerance_separates_flat_from_grow_and_shrink():
+    from pdm_lab.audit import delta_rates
+
+    dd = torch.tensor([1e-3, -1e-3, 1e-14, -1e-14, 0.0], dtype=torch.float64)
+    out = delta_rates(dd, torch.ones(5, dtype=torch.bool), tol=1e-12)
+    assert (out["grew"], out["shrank"], out["flat_count"], out["count"]) == (1, 1, 3, 5)
+    assert out["unsafe_keep"] == pytest.approx(0.2) and out["flat"] == pytest.approx(0.6)
+    with pytest.raises(Exception, match="non-finite"):
+        delta_rates(torch.tensor([float("nan")]), torch.tensor([True]))
+
+
+def test_pool_weights_tokens_not_seeds():
+    from pdm_lab.audit import delta_rates, pool, rate_summary
+
+    a = delta_rates(torch.tensor([1.0, 1.0, 1.0, -1.0]), torch.ones(4, dtype=torch.bool))
+    b = delta_rates(torch.tensor([-1.0]), torch.ones(1, dtype=torch.bool))
+    assert pool([a, b])["unsafe_keep"] == pytest.approx(3 / 5)
+    s = rate_summary([a, b])
+    assert s["unsafe_keep_mean"] == pytest.approx((0.75 + 0.0) / 2) and s["kept_disagreement_tokens"] == 5
+
+
+def test_pooled_diff_ci_brackets_the_point_and_handles_empty_seeds():
+    from pdm_lab.audit import delta_rates, pooled_diff_ci
+
+    gen = torch.Generator().manual_seed(0)
+    seeds_a, seeds_b = [], []
+    for _ in range(30):
+        seeds_a.append(delta_rates(torch.rand(3, generator=gen) - 0.2, torch.ones(3, dtype=torch.bool)))
+        seeds_b.append(delta_rates(torch.rand(2, generator=gen) - 0.8, torch.ones(2, dtype=torch.bool)))
+    seeds_b[0] = delta_rates(torch.zeros(1), torch.zeros(1, dtype=torch.bool))  # a seed with no tokens
+    d = pooled_diff_ci(seeds_a, seeds_b, n_boot=2000)
+    assert d["ci_low"] <= d["mean_diff"] <= d["ci_high"] and d["ci_low"] > 0
+    empty = [delta_rates(torch.zeros(1), torch.zeros(1, dtype=torch.bool))] * 3
+    assert math.isnan(pooled_diff_ci(empty, seeds_a[:3])["mean_diff"])
+
+
+def test_predicted_divergence_reads_the_record_not_the_name():
+    import dataclasses
+
+    from pdm_lab.audit import predicted_divergence
+    from pdm_lab.masks import MASK_RULES
+
+    assert predicted_divergence(MASK_RULES["pdm_exact"]) == "full_kl"
+    assert predicted_divergence(MASK_RULES["pdm_topk"]) == "topk_kl"
+    assert predicted_divergence(MASK_RULES["dppo_topk_kl"]) == "topk_kl"
+    renamed = dataclasses.replace(MASK_RULES["pdm_topk"], name="my_oracle_rule", estimator="exact")
+    assert predicted_divergence(renamed) == "full_kl"
+
+
+def test_regime_table_quantiles_fractions_and_tail_ratio():
+    from pdm_lab.audit import regime_table
+
+    d = torch.cat([torch.full((990,), 1e-3), torch.full((10,), 1.0)]).double()
+    considered = torch.ones(1000, dtype=torch.bool)
+    considered[:500] = False  # Â = 0 on half the (small-D) tokens
+    t = regime_table(d, d > 0.15, considered, topk_mass=torch.full((1000,), 0.995), tokens_per_state=2.0)
+    assert t["outside_fraction"] == pytest.approx(10 / 500) and t["zero_advantage_tokens"] == 500
+    assert t["d_quantiles"]["p50"] == pytest.approx(1e-3) and t["d_quantiles"]["max"] == 1.0
+    assert t["tail_ratio"] == pytest.approx(t["d_quantiles"]["p999"] / 1e-3)
+    assert t["topk_mass_ge_099"] == 1.0 and t["tokens_per_state"] == 2.0
+
+
+def test_mean_ci_lives_in_the_core_and_summary_reuses_it():
+    from pdm_lab.audit import mean_ci
+    from pdm_lab.envs import summary
+
+    assert summary.mean_ci is mean_ci
+    mean, lo, hi = mean_ci([1.0, 2.0, 3.0, float("nan")], n_boot=500)
+    assert mean == 2.0 and lo <= mean <= hi

@@ -118,3 +118,46 @@ def test_staleness_shows_up_at_update_time_and_grows():
         assert out["realised_topk_kl_mean"] < 1e-5  # μ = π at rollout time
         seen.append(out["update_topk_kl_mean"])
     assert seen[0] < 1e-5 < seen[1] < seen[2]
+
+
+def test_engine_kinds_round_weights_and_activations_like_an_engine():
+    import torch
+
+    from pdm_lab.envs.encoders import BanditEncoder
+    from pdm_lab.envs.mismatch import Mismatch
+    from pdm_lab.envs.policies import NeuralPolicy
+    from pdm_lab.quantize import quantize_dequantize
+
+    gen = torch.Generator().manual_seed(0)
+    prior = torch.randn(8, 300, generator=gen) * 3 + 25.0  # an LLM's logit level
+    policy = NeuralPolicy(BanditEncoder(8), prior, hidden=16, generator=gen, init_scale=0.5)
+    obs = torch.arange(8)[:, None]
+    for kind in ("bf16_engine", "fp8_engine"):
+        engine = Mismatch.parse(f"{kind}:0").behaviour_copy(policy)
+        assert engine is not policy and policy.activation_round is None
+        z, z_engine = policy(obs), engine(obs)
+        assert torch.equal(z_engine, engine(obs))  # deterministic: the same context, the same μ
+        err = (z_engine - z).abs().max()
+        assert 0 < err < 0.5  # bf16 at |z| ≈ 25 rounds to a spacing of 0.125
+        assert torch.equal(engine.prior, prior.to(torch.bfloat16).float())  # output side stays bf16
+    engine = Mismatch.parse("fp8_engine:0").behaviour_copy(policy)
+    assert torch.equal(engine.w1, quantize_dequantize(policy.w1))  # the scaling stage's block formula
+
+
+def test_scaling_fp8_uses_the_core_formula():
+    from pdm_lab import quantize
+    from pdm_lab.scaling import fp8
+
+    assert fp8.quantize_dequantize is quantize.quantize_dequantize
+    assert fp8.quantize_blockwise is quantize.quantize_blockwise
+
+
+def test_lognormal_spec_and_bad_tail():
+    import pytest
+
+    from pdm_lab.envs.mismatch import Mismatch
+
+    m = Mismatch.parse("bf16_engine:0+lognormal:0.06:1.5")
+    assert str(m) == "bf16_engine:0+lognormal:0.06:1.5" and m.sources[1].tail == 1.5
+    with pytest.raises(ValueError, match="lognormal only"):
+        Mismatch.parse("noise:1:2")

@@ -1,0 +1,189 @@
+"""``pdm-lab calibrate``: the regime of a mismatch setting (SPEC §6b), and the knob that hits a target.
+
+A toy setting (an audit configuration: problem, policy, mismatch, batch) is rolled out for a few
+seeds; per response token, D = top-K KL(μ‖π) in float64, whether it lies outside δ, Â ≠ 0, μ's
+top-K mass and entropy, and the tokens per distinct context. The table (``pdm_lab.audit.
+regime_table``) has ``d_quantiles`` {p50, p90, p99, p999, max}, ``outside_fraction`` (of Â ≠ 0
+tokens), ``tail_ratio`` (p99.9/p50), ``topk_mass_quantiles``, ``entropy_quantiles`` and
+``tokens_per_state``. The same table comes from a scaling run's logged per-token mismatch
+sample (``mismatch_sample.jsonl``: D, μ_T, π_T, r, Â per sampled token), so a user can set the
+toy to their engine's regime. ``--target F`` searches the strength of the mismatch's tunable
+source (its first with a strength: σ of ``lognormal``) by bisection on a log scale until the
+outside fraction is F.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pdm_lab.audit import regime_table
+
+from .audit import AuditConfig, _regime_inputs, _table, audit_batch, float64_tokens
+from .mismatch import Mismatch, MismatchSource
+from .update import current_stats, outside_region
+
+
+def toy_inputs(cfg: AuditConfig, seeds: int) -> list[tuple]:
+    """Per seed, the regime inputs of one fresh batch (``audit._regime_inputs``)."""
+    out = []
+    for seed in range(cfg.first_seed, cfg.first_seed + seeds):
+        _, policy, batch, adv = audit_batch(cfg, seed)
+        mask = cfg.mask(cfg.rules[0])
+        tokens = float64_tokens(batch, adv, mask)
+        stats = current_stats(policy.double(), tokens, full=False)
+        resp = tokens.response_mask.reshape(-1)
+        considered = resp & (tokens.advantages.reshape(-1) != 0)
+        outside = outside_region(stats, tokens.advantages, mask) & considered
+        out.append(_regime_inputs(tokens, stats.topk_kl, outside, considered, mask.k, resp))
+    return out
+
+
+def toy_table(cfg: AuditConfig, seeds: int = 4) -> dict:
+    """The calibration table of a toy setting over `seeds` fresh batches."""
+    inputs = toy_inputs(cfg, seeds)
+    cat = [torch.cat([p[i] for p in inputs]) for i in range(5)]
+    table = _table((*cat, sum(p[5] for p in inputs) / len(inputs)))
+    table.update(source="toy", mismatch=cfg.mismatch, seeds=seeds, delta=cfg.delta, k=cfg.k,
+                 sequences=cfg.sequences)
+    return table
+
+
+def run_table(path: Path, delta: float = 0.15) -> dict:
+    """The calibration table of a scaling run's per-token mismatch sample (jsonl or its folder)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "mismatch_sample.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no per-token mismatch sample (the scaling loop writes it)")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path}: the mismatch sample is empty")
+    d = torch.tensor([r["d"] for r in rows], dtype=torch.float64)
+    adv = torch.tensor([r.get("adv", 1.0) for r in rows], dtype=torch.float64)
+    mu_tail = torch.tensor([r["mu_tail"] for r in rows], dtype=torch.float64)
+    considered = adv != 0
+    table = regime_table(d, (d > delta) & considered, considered, topk_mass=1.0 - mu_tail)
+    table.update(source="scaling run", path=path.name, delta=delta)
+    return table
+
+
+def with_strength(spec: str, strength: float) -> str:
+    """`spec` with its tunable source (the first with a strength knob) set to `strength`."""
+    m = Mismatch.parse(spec)
+    for i, s in enumerate(m.sources):
+        if s.kind != "stale":
+            sources = list(m.sources)
+            sources[i] = MismatchSource(s.kind, strength, s.tail)
+            return str(Mismatch(tuple(sources)))
+    raise ValueError(f"mismatch {spec!r}: no source with a strength to search")
+
+
+def search_strength(cfg: AuditConfig, target: float, *, seeds: int = 2, iters: int = 12,
+                    lo: float = 1e-3, hi: float = 10.0, progress=None) -> tuple[str, dict]:
+    """Bisection on log strength for outside_fraction ≈ target; returns (mismatch, its table)."""
+    if not 0 < target < 1:
+        raise ValueError(f"target: an outside fraction in (0, 1), got {target}")
+    best = None
+    for _ in range(iters):
+        mid = math.sqrt(lo * hi)
+        spec = with_strength(cfg.mismatch, mid)
+        table = toy_table(replace(cfg, mismatch=spec), seeds)
+        frac = table["outside_fraction"]
+        if progress:
+            progress(spec, frac)
+        if best is None or abs(math.log((frac + 1e-9) / target)) < abs(math.log((best[1]["outside_fraction"] + 1e-9) / target)):
+            best = (spec, table)
+        if frac < target:
+            lo = mid
+        else:
+            hi = mid
+    return best
+
+
+def format_table(table: dict) -> str:
+    """The table as printed by the command (and written into reports)."""
+    q = table["d_quantiles"]
+    lines = [f"D = top-K KL(μ‖π) per response token ({table['tokens']} tokens, "
+             f"{table['zero_advantage_tokens']} with Â = 0):",
+             "  " + "  ".join(f"{k} {v:.3g}" for k, v in q.items()),
+             f"outside δ among Â ≠ 0 tokens: {100 * table['outside_fraction']:.3f}% "
+             f"({table['outside_tokens']} of {table['nonzero_advantage_tokens']}); tail ratio p99.9/p50 = {table['tail_ratio']:.3g}"]
+    if table.get("topk_mass_quantiles"):
+        m = table["topk_mass_quantiles"]
+        lines.append("μ's top-K mass quantiles: " + "  ".join(f"{k} {v:.4f}" for k, v in m.items())
+                     + (f"; ≥ 0.99 at {100 * table['topk_mass_ge_099']:.1f}% of positions"
+                        if "topk_mass_ge_099" in table else ""))
+    if table.get("entropy_quantiles"):
+        lines.append("μ's entropy (nats): " + "  ".join(f"{k} {v:.3g}" for k, v in table["entropy_quantiles"].items()))
+    if table.get("tokens_per_state") is not None:
+        lines.append(f"tokens per distinct context: {table['tokens_per_state']:.2f}")
+    return "\n".join(lines)
+
+
+def markdown_row(name: str, table: dict) -> str:
+    """One row of the README / report calibration table."""
+    q = table["d_quantiles"]
+    mass = table.get("topk_mass_ge_099")
+    tps = table.get("tokens_per_state")
+    return (f"| {name} | {q['p50']:.2g} | {q['p99']:.2g} | {q['p999']:.2g} | {q['max']:.2g} | "
+            f"{100 * table['outside_fraction']:.3f}% | {table['tail_ratio']:.3g} | "
+            f"{'–' if mass is None else f'{100 * mass:.0f}%'} | {'–' if tps is None else f'{tps:.2f}'} |")
+
+
+MARKDOWN_HEADER = ("| setting | D p50 | D p99 | D p99.9 | D max | outside δ (Â ≠ 0) | p99.9/p50 | "
+                   "top-20 mass ≥ 0.99 | tokens / context |\n"
+                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+
+def add_parser(subparsers) -> None:
+    """The ``calibrate`` subcommand (registered by ``envs.cli.register``)."""
+    from .mismatch import MISMATCH_KINDS
+    from .presets import AUDIT_PRESETS, STRESS_MISMATCHES
+
+    p = subparsers.add_parser(
+        "calibrate", help="the mismatch regime of a toy setting or a scaling run (SPEC §6b): D quantiles, outside fraction, tail ratio",
+        description="Rolls out a toy setting (an audit preset, optionally with another mismatch) and prints and writes "
+                    "calibration.json; --from-run reads a scaling run's per-token mismatch sample instead; --target "
+                    "searches the mismatch strength for a given outside fraction.")
+    p.add_argument("--preset", default="quick", choices=sorted(AUDIT_PRESETS), help="toy setting (default: quick)")
+    p.add_argument("--mismatch", help=f"μ's mismatch (kinds: {', '.join(MISMATCH_KINDS)}; named stress settings: "
+                                      f"{', '.join(STRESS_MISMATCHES)})")
+    p.add_argument("--seeds", type=int, default=4, help="fresh batches (default 4)")
+    p.add_argument("--sequences", type=int, help="sequences per batch")
+    p.add_argument("--delta", type=float, help="δ (default: the preset's)")
+    p.add_argument("--target", type=float, help="search the strength for this outside fraction (e.g. 0.002)")
+    p.add_argument("--from-run", type=Path, help="a scaling run folder (its mismatch_sample.jsonl)")
+    p.add_argument("--out", type=Path, default=Path("runs/calibrate"), help="output folder")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from .presets import AUDIT_PRESETS, STRESS_MISMATCHES, preset
+
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = preset(AUDIT_PRESETS, args.preset)
+    if args.from_run is not None:
+        table = run_table(args.from_run, args.delta if args.delta is not None else cfg.delta)
+    else:
+        changes = {"mismatch": STRESS_MISMATCHES.get(args.mismatch, args.mismatch), "sequences": args.sequences,
+                   "delta": args.delta}
+        try:
+            cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+        except ValueError as err:
+            raise SystemExit(f"pdm-lab calibrate: error: {err}") from None
+        if args.target is not None:
+            spec, table = search_strength(cfg, args.target, seeds=max(1, min(args.seeds, 2)),
+                                          progress=lambda s, f: print(f"  {s}: outside {100 * f:.3f}%"))
+            cfg = replace(cfg, mismatch=spec)
+            print(f"strength for an outside fraction of {100 * args.target:.3f}%: {spec}")
+        table = toy_table(cfg, args.seeds)
+    print(format_table(table))
+    path = args.out / "calibration.json"
+    path.write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    print(f"written to {path}")
+    return 0
