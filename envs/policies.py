@@ -59,7 +59,7 @@ class NeuralPolicy(nn.Module):
 
     def forward(self, obs: Tensor) -> Tensor:
         """[B, D] int64 observations → [B, n] float32 logits."""
-        h = torch.tanh(self.encoder.features(obs) @ self.w1 + self.b1)
+        h = torch.tanh(self.encoder.features(obs).to(self.w1.dtype) @ self.w1 + self.b1)
         return self.prior[self.encoder.state_index(obs)] + h @ self.w2 + self.b2
 
 

@@ -226,6 +226,8 @@ def run_training(cfg: TrainConfig) -> Path:
                             pad_id=pad_id, lr=learning_rate(cfg, opt_step), device=lay.device)
         times["train"] = time.perf_counter() - t0
         times["loss"] = upd.times["loss"]
+        if "coupled" in upd.times:  # pdm_coupled's extra passes (SPEC §3b), its own timing line
+            times["coupled"] = upd.times["coupled"]
 
         # 6. in-place weight sync into the running engine
         t0 = time.perf_counter()
