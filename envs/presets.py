@@ -1,7 +1,7 @@
 """Named sweep and audit configurations: ``quick`` (about two minutes on a 2-core laptop, the
 README's main command and an end-to-end test) and ``paper`` (the paper's statistics: 61 seeds,
-δ ∈ {0.05, 0.15}, K = 20: 9 mismatch settings × (1 + 4 × 2) rule/δ cells × 61 seeds = 4941
-runs of ~5 s each, about 7 core-hours — hours on one machine, or spread with ``--executor ray``)."""
+δ ∈ {0.05, 0.15}, K = 20: 9 mismatch settings × (1 + 5 × 2) rule/δ cells × 61 seeds = 6039
+runs of ~5 s each, about 9 core-hours — hours on one machine, or spread with ``--executor ray``)."""
 from __future__ import annotations
 
 from .audit import AuditConfig
@@ -15,7 +15,7 @@ _TOKEN_MDP = ProblemConfig(kind="token_mdp")
 SWEEP_PRESETS: dict[str, SweepConfig] = {
     "quick": SweepConfig(
         base=TrainConfig(problem=_TOKEN_MDP, policy="neural", steps=20),
-        rules=("none", "ppo_clip", "dppo_topk_kl", "pdm_uniform"),
+        rules=("none", "ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_coupled"),
         mismatches=("none", "noise:1", "noise:2"),
         deltas=(0.15,), ks=(20,), seeds=4),
     # SPEC §4b: the rules verl and slime ship, beside the paper's baseline and PDM (quick's size)
@@ -27,7 +27,7 @@ SWEEP_PRESETS: dict[str, SweepConfig] = {
         deltas=(0.15,), ks=(20,), seeds=4),
     "paper": SweepConfig(
         base=TrainConfig(problem=_TOKEN_MDP, policy="neural", steps=60),
-        rules=("ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_agg", "pdm_topk"),
+        rules=("ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_agg", "pdm_topk", "pdm_coupled"),
         mismatches=("none", "noise:0.5", "noise:1", "noise:2", "tail_noise:2", "temperature:0.3",
                     "fp8_e4m3:16", "fp8_e4m3_weights:0", "stale:4"),
         deltas=(0.05, 0.15), ks=(20,), seeds=61),
