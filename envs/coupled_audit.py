@@ -154,7 +154,7 @@ def coupled_audit_seed(cfg: CoupledAuditConfig, seed: int) -> dict:
                 entry["predicted_from_outside"] = float(lr / n_resp * (keep * c)[outside].sum())
                 entry["predicted_from_inside"] = float(lr / n_resp * (keep * c)[~outside].sum())
         entry["kept_outside"] = int((keep_base[rule].bool() & outside).sum())
-        entry["first_order_sum_positive_c_kept"] = int(((keep_base[rule] > 0) & outside & (c > 0)).sum())
+        entry["kept_outside_positive_c"] = int(((keep_base[rule] > 0) & outside & (c > 0)).sum())
         record["rules"][rule] = entry
     ref = cfg.rules[0]
     for rule in cfg.rules[1:]:
