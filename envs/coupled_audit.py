@@ -253,3 +253,36 @@ def run_coupled_audit(cfg: CoupledAuditConfig, out: str | Path | None = None, *,
     if out is not None:
         (out / "coupled_audit.json").write_text(json.dumps(doc, indent=1))
     return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pdm_lab.envs.coupled_audit``: the study on the audit's ``quick``/``paper`` preset."""
+    import argparse
+
+    from .presets import AUDIT_PRESETS, preset
+
+    ap = argparse.ArgumentParser(prog="python -m pdm_lab.envs.coupled_audit", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS))
+    ap.add_argument("--policy", choices=("tabular", "neural"))
+    ap.add_argument("--seeds", type=int)
+    ap.add_argument("--sequences", type=int)
+    ap.add_argument("--mismatch")
+    ap.add_argument("--scales", type=float, nargs="+", help="step sizes as multiples of the audit's lr (must include 1)")
+    ap.add_argument("--one-token-per-state", action="store_true")
+    ap.add_argument("--out", type=Path, required=True, help="folder for per_seed.jsonl and coupled_audit.json (resumes)")
+    args = ap.parse_args(argv)
+    audit = replace(preset(AUDIT_PRESETS, args.preset), single_token=False, k_sweep=())
+    for name in ("policy", "seeds", "sequences", "mismatch"):
+        if getattr(args, name) is not None:
+            audit = replace(audit, **{name: getattr(args, name)})
+    cfg = CoupledAuditConfig(audit=audit, one_token_per_state=args.one_token_per_state,
+                             **({"step_scales": tuple(args.scales)} if args.scales else {}))
+    t0 = time.perf_counter()
+    doc = run_coupled_audit(cfg, args.out, progress=lambda seed, rec: print(
+        f"seed {seed}: {rec['outside']} outside tokens, {time.perf_counter() - t0:.0f}s", flush=True))
+    print(json.dumps(doc["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

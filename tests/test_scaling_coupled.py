@@ -179,13 +179,16 @@ def test_tiny_loop_trains_with_pdm_coupled(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     run_dir = tmp_path / "run"
+    # a verifier with mixed rewards in every group, so that Â ≠ 0 and O is not empty
+    (tmp_path / "plugin.py").write_text("def parity(response, answer):\n    return float(len(response) % 2)\n")
     cmd = [sys.executable, "-m", "pdm_lab", "train", "--config", str(repo / "scaling" / "configs" / "tiny-cpu.yaml"),
            "total_steps=2", "model.tiny.sft_steps=60", "rollout.prompts_per_step=8", "rollout.group_size=4",
            "rollout.max_tokens=6", "rollout.precision=fp8", "rollout.fp8_block=32", "trainer.mini_batches=2",
            "trainer.micro_batch_size=4", "eval.every=0", "checkpoint.every=0", "log.sync_check_every=0",
-           "mask.rule=pdm_coupled", "mask.delta=0.001", "data.synthetic.n_train=400", f"run_dir={run_dir}"]
+           "mask.rule=pdm_coupled", "mask.delta=0.001", "data.synthetic.n_train=400", f"run_dir={run_dir}",
+           f"plugins=[{tmp_path / 'plugin.py'}]", "reward.verifier=pdm_lab_plugin_plugin:parity"]
     env = dict(os.environ, PDM_LAB_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["step"] > 0]
@@ -197,3 +200,23 @@ def test_tiny_loop_trains_with_pdm_coupled(tmp_path):
     assert any(r["coupled/eps"] > 0 for r in train)
     print("coupled share of the step:", [round(r["time/coupled_s"] / r["time/step_s"], 3) for r in train],
           "of the update:", [round(r["time/coupled_s"] / r["time/train_s"], 3) for r in train])
+
+
+def test_promotable_from_a_sweep(tmp_path):
+    """A sweep whose best never-collapsed cell is pdm_coupled promotes to ``mask.rule: pdm_coupled``."""
+    import json
+    from pathlib import Path
+
+    from pdm_lab.scaling.config import load_config
+    from pdm_lab.scaling.promote import promote
+
+    rows = [{"cell_id": cell, "rule": rule, "delta": 0.15, "k": 20, "convention": "union", "estimator": None,
+             "mismatch_kind": "noise", "mismatch_strength": 1.0, "seed": seed, "final_reward": reward + 0.01 * seed,
+             "collapsed": False, "unsafe_keep": 0.3}
+            for cell, rule, reward in (("a", "pdm_topk", 0.7), ("b", "pdm_coupled", 0.8)) for seed in range(2)]
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "results.json").write_text(json.dumps(rows))
+    base = Path(__file__).resolve().parents[1] / "scaling" / "configs" / "tiny-cpu.yaml"
+    promote(sweep, base, tmp_path / "promoted.yaml", log=lambda *_: None)
+    assert load_config(tmp_path / "promoted.yaml").mask.rule == "pdm_coupled"
