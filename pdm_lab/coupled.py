@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from .divergence import topk_kl
 from .errors import PDMInputError, check_same, check_tensor, raise_at
 from .masks import outside_region
 from .policy_side import PolicyOnSupport
@@ -51,7 +52,7 @@ class CoupledDirection(Protocol):
 
 @dataclass(frozen=True)
 class CoupledScores:
-    """c [N] (0 outside O's influence: Â = 0 rows), g [N] and the out-of-region set O [N] bool."""
+    """c [N] (0 on Â = 0 rows), g [N] and the out-of-region set O [N] bool."""
 
     c: Tensor
     g: Tensor
@@ -86,8 +87,6 @@ def differentiable_topk_kl(support: Support, pi: PolicyOnSupport) -> Tensor:
     value comes from the accurate tail (SPEC §8); only the gradient uses the identity. With μ
     fixed, dD = −Σ_{i∈S} μ_i d log π_i − μ_T d log π_T.
     """
-    from .divergence import topk_kl
-
     check_same(("pi.logp", "support.ids"), pi.logp, support.ids)
     logp = pi.logp
     dtype = logp.dtype
