@@ -55,13 +55,13 @@ SWEEP_PRESETS: dict[str, SweepConfig] = {
         deltas=(0.15,), ks=(20,), seeds=2),
     "paper": SweepConfig(
         base=TrainConfig(problem=REALISTIC_PROBLEM, policy="neural", steps=60),
-        rules=("ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_agg", "pdm_topk"),
+        rules=("ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_agg", "pdm_topk", "pdm_coupled"),
         mismatches=("none", "bf16_engine:0", REALISTIC_MISMATCH, REALISTIC_STRONG,
                     "fp8_engine:0+lognormal:0.06", *STRESS_MISMATCHES.values()),
         deltas=(0.05, 0.15), ks=(20,), seeds=61),
     "stress": SweepConfig(
         base=TrainConfig(problem=_OLD_TOKEN_MDP, policy="neural", steps=20),
-        rules=("none", "ppo_clip", "dppo_topk_kl", "pdm_topk"),
+        rules=("none", "ppo_clip", "dppo_topk_kl", "pdm_topk", "pdm_coupled"),
         mismatches=("none", "noise:1", "noise:2"),
         deltas=(0.15,), ks=(20,), seeds=4),
     # SPEC §4b: the rules verl and slime ship, beside the paper's baseline and PDM (quick's size)

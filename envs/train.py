@@ -157,7 +157,7 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
                 order = torch.randperm(batch.num_sequences, generator=rng.order)
                 for rows in order.chunk(minibatches):
                     mb = tokens.select(rows)
-                    out = masked_loss(policy, mb, cfg.mask)
+                    out = masked_loss(policy, mb, cfg.mask, optimizer=optimizer)
                     optimizer.zero_grad(set_to_none=True)
                     out.loss.backward()
                     optimizer.step()

@@ -90,19 +90,26 @@ def needs_full(cfg: MaskConfig) -> bool:
     return "full" in cfg.rule_record.needs or cfg.direction_estimator == "exact"
 
 
-def masked_loss(policy, tokens: TokenBatch, cfg: MaskConfig, *, full: bool | None = None) -> LossOutput:
+def masked_loss(policy, tokens: TokenBatch, cfg: MaskConfig, *, full: bool | None = None,
+                optimizer=None) -> LossOutput:
     """π's forward pass on the batch and the core's masked loss (``pdm_policy_loss``).
 
     ``full`` passes both full distributions to the core (``exact`` Ḋ, full-KL metrics); by
-    default only when the rule needs them, since they cost two extra [N, n] passes.
+    default only when the rule needs them, since they cost two extra [N, n] passes. A rule that
+    needs ``coupled`` (``pdm_coupled``) gets c_t from ``envs/coupled.py``, preconditioned by
+    ``optimizer``'s state (None: the identity).
     """
+    coupled = None
+    if "coupled" in cfg.rule_record.needs:
+        from .coupled import toy_coupled_scores  # SPEC §3b: u by backward, g by JVP
+        coupled = toy_coupled_scores(policy, tokens, cfg, optimizer).c
     logits = policy(tokens.obs)
     pi = policy_on_support(logits, tokens.support.ids)
     if full is None:
         full = needs_full(cfg)
     pi_full = torch.log_softmax(logits.detach(), dim=-1) if full else None
     return pdm_policy_loss(pi, tokens.support, tokens.advantages, tokens.response_mask, cfg,
-                           mu_full=tokens.mu_full if full else None, pi_full=pi_full)
+                           mu_full=tokens.mu_full if full else None, pi_full=pi_full, coupled=coupled)
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """The masked policy loss (SPEC §5): the one function the toys and the scaling loop call."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -84,7 +85,8 @@ def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
 
 def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
                     response_mask: Tensor, cfg: MaskConfig, *, mu_full: Tensor | None = None,
-                    pi_full: Tensor | None = None, compiled: bool | None = None) -> LossOutput:
+                    pi_full: Tensor | None = None, compiled: bool | None = None,
+                    coupled: Tensor | None = None) -> LossOutput:
     """Masked, optionally capped, aggregated policy-gradient loss with its per-step metrics.
 
     Args:
@@ -95,6 +97,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         cfg: the mask section (rule, δ, K, convention, estimator, cap, aggregation).
         mu_full, pi_full: [N, n] full log-probabilities (toys): enable ``exact`` and full KL.
         compiled: the compiled stats path (see ``token_stats``); default from ``PDM_LAB_COMPILE``.
+        coupled: [N] c_t of SPEC §3b (``pdm_lab.coupled.coupled_scores``), for ``pdm_coupled``.
     """
     check_tensor("advantages", advantages, ndim=2, floating=True)
     check_same(("advantages", "response_mask"), advantages, response_mask)
@@ -103,6 +106,8 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         raise PDMInputError(f"support has {support.ids.shape[0]} rows but advantages {tuple(advantages.shape)} "
                             f"has {n_tokens} tokens (N must equal B·T)")
     stats = token_stats(support, pi, mu_full=mu_full, pi_full=pi_full, compiled=compiled)
+    if coupled is not None:
+        stats = dataclasses.replace(stats, coupled=coupled.detach().reshape(-1).to(stats.ratio.dtype))
     adv = advantages.reshape(-1).to(stats.ratio.dtype)
     resp = response_mask.reshape(-1).bool()
     adv = torch.where(resp, adv, torch.zeros_like(adv))  # padding carries no advantage

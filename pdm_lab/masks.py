@@ -178,3 +178,14 @@ for _name in DDOT_ESTIMATORS:
 def mask_icepop(stats, advantages, cfg):
     """IcePop: drop r ∉ [α, β], both directions (Â = 0 kept: it carries no gradient)."""
     return ((stats.ratio < cfg.icepop_low) | (stats.ratio > cfg.icepop_high)) & (advantages != 0)
+
+
+@register_mask("pdm_coupled", divergence="topk_kl", needs=("coupled",))
+def mask_pdm_coupled(stats, advantages, cfg):
+    """PDM coupled (SPEC §3b): drop D > δ ∧ Â ≠ 0 ∧ c > 0, c_t = Â_t r_t ⟨P∇_θ D_O, ∇_θ log π_t(k_t)⟩
+    (the token's update grows the batch's out-of-region divergence); c from ``pdm_lab.coupled``."""
+    if stats.coupled is None:
+        raise PDMInputError("pdm_coupled: these stats lack c_t; the stage computes it with "
+                            "pdm_lab.coupled.coupled_scores and passes pdm_policy_loss(coupled=c)")
+    check_same(("stats.coupled", "advantages"), stats.coupled, advantages)
+    return outside_region(stats.topk_kl, advantages, cfg) & (advantages != 0) & (stats.coupled > 0)

@@ -18,7 +18,7 @@ from .support import Support
 @dataclass(frozen=True)
 class TokenStats:
     """All [N]. ``ddot`` maps estimator name → Ḋ (``exact`` only when full distributions were given);
-    ``full_kl`` is None without them."""
+    ``full_kl`` is None without them; ``coupled`` is None unless the stage supplied c_t."""
 
     topk_kl: Tensor
     topk_tv: Tensor
@@ -32,6 +32,8 @@ class TokenStats:
     ddot: dict[str, Tensor]
     ddot_lower: Tensor
     ddot_upper: Tensor
+    coupled: Tensor | None = None
+    """c_t of SPEC §3b (``pdm_lab.coupled``), supplied by the stage for ``pdm_coupled``; else None."""
 
 
 def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor,

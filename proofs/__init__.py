@@ -1,4 +1,4 @@
-"""pdm_lab.proofs: every claim of SPEC §2–3 as a named sympy check that also runs the torch code.
+"""pdm_lab.proofs: every claim of SPEC §2–3b as a named sympy check that also runs the torch code.
 
 Each claim is proved with sympy (symbolically for general n where sympy can, otherwise for every
 small size, or by exhaustive small cases and random instances at 50 digits) and then pdm_lab's
@@ -11,7 +11,8 @@ reference, so a proof cannot pass while the code is wrong.
 
 Layout: ``registry`` (the ``@claim`` decorator), ``symbolic`` (sympy helpers), ``reference``
 (mpmath side, no pdm_lab), ``implementation`` (the pdm_lab calls), the claim modules
-``ddot_closed_form``, ``estimators``, ``bounds``, ``divergences``, ``other_measures``, then
+``ddot_closed_form``, ``estimators``, ``bounds``, ``divergences``, ``other_measures``,
+``coupled`` (SPEC §3b), then
 ``runner`` and ``cli`` (``pdm-lab prove``).
 """
 from .registry import CLAIMS, Checker, ClaimFailed, claim

@@ -91,7 +91,7 @@ class Claim:
         return " ".join(line.strip() for line in paragraph.splitlines())
 
 
-#: Every claim, in registration order (the order of SPEC §2–3).
+#: Every claim, in registration order (the order of SPEC §2–3b).
 CLAIMS: dict[str, Claim] = {}
 
 

@@ -223,6 +223,8 @@ def run_training(cfg: TrainConfig) -> Path:
                             mismatch_sample=lambda stats, a, r: mismatch_sample.write(step, stats, a, r))
         times["train"] = time.perf_counter() - t0
         times["loss"] = upd.times["loss"]
+        if "coupled" in upd.times:  # pdm_coupled's extra passes (SPEC §3b), its own timing line
+            times["coupled"] = upd.times["coupled"]
 
         # 6. in-place weight sync into the running engine
         t0 = time.perf_counter()

@@ -25,6 +25,8 @@ from pdm_lab.metrics import MetricSums, all_reduce_metrics, as_mismatch, finaliz
 from pdm_lab.policy_side import PolicyOnSupport
 from pdm_lab.support import support_from_topk
 
+from .coupled import coupled_for_minibatch
+from .policy_model import DTYPES
 from .rollout import RolloutBatch
 
 
@@ -162,12 +164,20 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         n_tok, n_seq = _global_counts(sum(m.n_tokens for m in micros), sum(m.n_seqs for m in micros))
         parts: list[MetricSums] = []
         loss_sum = loss_weight = 0.0  # Σ loss·w and Σ w over micro-batches (w: tokens or sequences)
-        for mb in micros:
+        coupled, coupled_info = [None] * len(micros), {}
+        if "coupled" in mask_cfg.rule_record.needs:  # SPEC §3b: c_t before the loss (scaling/coupled.py)
+            t0 = time.perf_counter()
+            coupled, coupled_info = coupled_for_minibatch(
+                policy, optimizer, micros, [micro_batch_support(mb, mask_cfg, vocab_size) for mb in micros],
+                lambda m, s: micro_batch_policy(policy, m, s, cfg.rollout.temperature, tcfg.logits_chunk_tokens),
+                mask_cfg, compute_dtype=DTYPES[tcfg.param_dtype])
+            times["coupled"] = times.get("coupled", 0.0) + time.perf_counter() - t0
+        for mb, c in zip(micros, coupled):
             t0 = time.perf_counter()
             support = micro_batch_support(mb, mask_cfg, vocab_size)
             pi = micro_batch_policy(policy, mb, support, cfg.rollout.temperature, tcfg.logits_chunk_tokens)
             t1 = time.perf_counter()
-            out = pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg)
+            out = pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=c)
             t2 = time.perf_counter()
             share = (mb.n_tokens / max(n_tok, 1.0)) if per_token else (mb.n_seqs / max(n_seq, 1.0))
             (out.loss * (share * world)).backward()
@@ -192,6 +202,8 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         parts.append({"loss/policy": metric("mean", loss_sum, loss_weight)})
         if grad_norm is not None:  # already global: every rank adds the same value once
             parts.append({"loss/grad_norm": metric("mean", grad_norm)})
+        if coupled_info:  # already global: every rank adds the same value once
+            parts.append({key: metric("mean", value) for key, value in coupled_info.items()})
         if mb_index == 0:  # before any optimiser step of this batch: the realised mismatch
             parts.append(as_mismatch(merge_metrics(*parts)))
         sums = merge_metrics(sums, *parts)

@@ -29,7 +29,8 @@ def test_claims_cover_spec():
                 "topk_is_derivative_of_topk_kl", "k_must_be_in_support", "tail_sumsq_ordering",
                 "agg_error_bound", "uniform_error_bound", "certified_interval", "topk_kl_nonnegative",
                 "topk_kl_le_full_kl", "reverse_kl_derivative", "f_divergence_derivative",
-                "tv_derivative", "ratio_test_first_order"}
+                "tv_derivative", "ratio_test_first_order", "coupled_reduces_to_topk",
+                "coupled_is_first_order_change"}
     assert expected <= set(CLAIMS)
 
 
