@@ -20,8 +20,8 @@ from torch.func import functional_call, jvp
 from pdm_lab.config import MaskConfig
 from pdm_lab.coupled import CoupledScores, coupled_scores, differentiable_topk_kl
 from pdm_lab.policy_side import policy_on_support
+from pdm_lab.stats import token_stats
 
-from .update import TokenBatch, current_stats
 
 Direction = dict[str, Tensor]
 
@@ -57,7 +57,7 @@ class JVPDirection:
         precond: P per parameter name (``preconditioner``), None for the identity.
     """
 
-    def __init__(self, policy: torch.nn.Module, tokens: TokenBatch, precond: Direction | None = None):
+    def __init__(self, policy: torch.nn.Module, tokens, precond: Direction | None = None):
         self.policy, self.tokens, self.precond = policy, tokens, precond
         self.params = {name: p.detach() for name, p in policy.named_parameters()}
         support = tokens.support
@@ -86,10 +86,11 @@ class JVPDirection:
         return g
 
 
-def toy_coupled_scores(policy: torch.nn.Module, tokens: TokenBatch, cfg: MaskConfig,
+def toy_coupled_scores(policy: torch.nn.Module, tokens, cfg: MaskConfig,
                        optimizer: torch.optim.Optimizer | None = None) -> CoupledScores:
     """c_t for every token row of ``tokens`` at the policy's current θ (``pdm_lab.coupled``)."""
-    stats = current_stats(policy, tokens, full=False)
+    with torch.no_grad():  # D, r on the support (``update.current_stats`` without the full KL)
+        stats = token_stats(tokens.support, policy_on_support(policy(tokens.obs), tokens.support.ids))
     adv = tokens.advantages.reshape(-1).to(stats.ratio.dtype)
     adv = torch.where(tokens.response_mask.reshape(-1), adv, torch.zeros_like(adv))
     direction = JVPDirection(policy, tokens, preconditioner(optimizer, policy))
