@@ -68,7 +68,9 @@ def _config_or_exit(presets: dict, args: argparse.Namespace, command: str):
     try:
         return build_config(presets, args)
     except (ConfigError, ValueError, OSError) as err:
-        print(f"pdm-lab {command}: error: {err}", file=sys.stderr)
+        from pdm_lab.errors import one_line
+
+        print(f"pdm-lab {command}: error: {one_line(err)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
