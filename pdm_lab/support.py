@@ -159,8 +159,8 @@ def _engine_math(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_l
     """The tensor math of ``support_from_topk`` (arguments as there).
 
     Returns the tensor fields of `Support` by name and ``flags``: [4] bool, read back once —
-    (a bad engine log-prob, a row out of order, a bad support row, the ``union`` extra slot
-    unused). The support is computed as if every row were ordered; the caller orders the rows
+    (a bad engine log-prob, a row out of order, a bad support row, some row uses the ``union``
+    extra slot). The support is computed as if every row were ordered; the caller orders the rows
     and calls again when one is not. Values in bad rows are meaningless; the caller raises.
     """
     topk_ids, topk_logp, sampled, sampled_logp, has_pads = _engine_rows(
@@ -191,13 +191,13 @@ def _engine_math(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_l
         contradicts=checks.sampled_logp_contradicts(mu_logp_k, sampled_logp))
     return {"ids": ids, "k_index": k_index, "mu_logp": mu_logp,
             "mu_tail_logp": tail_from_head(head, tail_count), "mu_kth_logp": kth, "tail_count": tail_count,
-            "flags": torch.stack([bad_logp, ~rows_ordered(topk_ids, topk_logp), bad_support, in_top.all()])}
+            "flags": torch.stack([bad_logp, ~rows_ordered(topk_ids, topk_logp), bad_support, ~in_top.all()])}
 
 
 def _slots_math(ids: Tensor, mu_logp: Tensor, sampled: Tensor, mu_tail_logp: Tensor | None,
                 mu_kth_logp: Tensor | None, vocab_size: int) -> dict[str, Tensor]:
     """The tensor math of ``support_from_slots`` (arguments as there): the fields of `Support` and
-    ``bad``, 0-d bool, some row fails a check of ``support_checks.raise_support_error``."""
+    ``flags``, [1] bool: some row fails a check of ``support_checks.raise_support_error``."""
     valid = ids >= 0
     if when(~valid.all()):
         mu_logp = mu_logp.masked_fill(~valid, _NEG_INF)
@@ -216,7 +216,7 @@ def _slots_math(ids: Tensor, mu_logp: Tensor, sampled: Tensor, mu_tail_logp: Ten
                               mu_logp_bad=checks.logp_flag(mu_logp), mu_logp_k=mu_logp_k, head=head,
                               tail_count=tail_count, mu_tail_logp=mu_tail_logp)
     return {"ids": narrow, "k_index": k_index, "mu_logp": mu_logp,
-            "mu_tail_logp": tail, "mu_kth_logp": mu_kth_logp, "tail_count": tail_count, "bad": bad}
+            "mu_tail_logp": tail, "mu_kth_logp": mu_kth_logp, "tail_count": tail_count, "flags": bad[None]}
 
 
 def _support(out: dict[str, Tensor], vocab_size: int) -> Support:
@@ -239,8 +239,9 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
         k: K, how many top tokens to keep (default K').
         convention: ``union`` or ``kslot``.
         row_mask: [N] bool, rows to check; other rows (padding) are replaced by a trivial valid row.
-        compiled: run the math and checks through ``torch.compile`` (one pass over [N, K']
-            instead of ~15); default from ``PDM_LAB_COMPILE``. Tested equal to eager.
+        compiled: run the math and checks through ``torch.compile`` (one pass over [N, K']);
+            default from ``PDM_LAB_COMPILE``; eager runs them by cache-sized row blocks. Tested
+            equal.
 
     μ_T comes from log1mexp of the head's log-mass, since the engine shows no tail (SPEC §8).
     """
@@ -248,9 +249,9 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
     checks.check_topk_args(topk_ids, topk_logp, sampled, sampled_logp, row_mask, vocab_size, k, convention)
     keep = None if row_mask is None else row_mask.bool()
     inputs = (topk_ids, topk_logp, sampled, sampled_logp, keep)
-    math = maybe_compiled(_engine_math, False if topk_ids.shape[0] == 0 else compiled)  # nothing to fuse
+    math = maybe_compiled(_engine_math, False if topk_ids.shape[0] == 0 else compiled, row_blocks=True)
     out = math(*inputs, vocab_size, k, convention)
-    bad_logp, unordered, bad_support, extra_unused = out.pop("flags").tolist()
+    bad_logp, unordered, bad_support, extra_used = out.pop("flags").tolist()
     if bad_logp or unordered or bad_support:  # the rare paths: eager, detailed
         top_ids, top_logp, sampled, sampled_logp, _ = _engine_rows(*inputs)
         if bad_logp:
@@ -259,11 +260,11 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
             top_ids, top_logp = order_rows(top_ids, top_logp)
             # keep again: blanking is idempotent, and the compiled graph stays the same
             out = math(top_ids, top_logp, sampled, sampled_logp, keep, vocab_size, k, convention)
-            _, _, bad_support, extra_unused = out.pop("flags").tolist()
+            _, _, bad_support, extra_used = out.pop("flags").tolist()
         if bad_support:
             checks.raise_support_error(out["ids"], out["mu_logp"], sampled, vocab_size, out["tail_count"],
                                        range_ids=top_ids[:, :k], sampled_logp=sampled_logp)
-    if convention == "union" and min(k, topk_ids.shape[1]) > 0 and extra_unused:
+    if convention == "union" and min(k, topk_ids.shape[1]) > 0 and not extra_used:
         out.update({f: out[f][:, :-1] for f in ("ids", "mu_logp")})  # no row needs the extra slot
     return _support(out, vocab_size)
 
@@ -283,13 +284,14 @@ def support_from_slots(ids: Tensor, mu_logp: Tensor, sampled: Tensor, *, vocab_s
         vocab_size: n.
         mu_tail_logp: [N] log μ_T if the full μ is known; else log1mexp of the head's log-mass.
         mu_kth_logp: [N] log μ_(K); default: the smallest head log-prob other than k's.
-        compiled: run the math and checks through ``torch.compile`` (a pass or two over [N, m]
-            instead of ~20); default from ``PDM_LAB_COMPILE``. Tested equal to eager.
+        compiled: run the math and checks through ``torch.compile`` (a pass or two over [N, m]);
+            default from ``PDM_LAB_COMPILE``; eager runs them by cache-sized row blocks. Tested
+            equal.
     """
     checks.check_slots_args(ids, mu_logp, sampled, mu_tail_logp, vocab_size)
-    math = maybe_compiled(_slots_math, False if ids.shape[0] == 0 else compiled)  # nothing to fuse
+    math = maybe_compiled(_slots_math, False if ids.shape[0] == 0 else compiled, row_blocks=True)
     out = math(ids, mu_logp, sampled, mu_tail_logp, mu_kth_logp, vocab_size)
-    if bool(out.pop("bad")):
+    if bool(out.pop("flags")):
         checks.raise_support_error(ids, out["mu_logp"], sampled, vocab_size, out["tail_count"],
                                    mu_tail_logp=mu_tail_logp)
     return _support(out, vocab_size)
