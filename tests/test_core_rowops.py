@@ -14,44 +14,53 @@ from pdm_lab.support import support_from_full, support_from_slots, support_from_
 from pdm_lab.support_checks import outside
 
 
-def _rows(seed: int, n_rows: int = 40, width: int = 7, vocab: int = 12):
-    """Integer rows with repeats, padding (−1) at the end of some, and logps with ties."""
+def _rows(seed: int, n_rows: int = 40, width: int = 7, vocab: int = 12, distinct: bool = False):
+    """Integer rows (with repeats unless `distinct`), padding (−1) at the end of some, and logps
+    with ties."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n_rows, width), generator=gen)
+    if distinct:  # the order of a top-K row is defined for distinct ids
+        ids = torch.argsort(torch.rand(n_rows, vocab, generator=gen), dim=1)[:, :width]
     logp = -torch.randint(0, 4, (n_rows, width), generator=gen).double()
     pad = torch.arange(width) >= width - torch.randint(0, 3, (n_rows, 1), generator=gen)
     return ids.masked_fill(pad, -1), logp.masked_fill(pad, float("-inf"))
 
 
-def _all_primitives(ids, logp, mask, x, col):
-    ordered_ids, ordered_logp = rowops.order_rows(ids, logp)
-    return {"append": rowops.append_column(x, col, torch.int32),
+def _all_primitives(ids, logp, mask, top, top_logp):
+    ordered_ids, ordered_logp = rowops.order_rows(top, top_logp)
+    return {"append": rowops.append_column(ids, ids[:, 0], torch.int32),
             "first_true": torch.stack(rowops.first_true(mask)),
             "head": rowops.head_log_mass(logp),
-            "dup": rowops.any_duplicate(ids), "ordered": rowops.rows_ordered(ids, logp),
+            "dup": rowops.any_duplicate(ids), "ordered": rowops.rows_ordered(top, top_logp),
             "ordered_after": rowops.rows_ordered(ordered_ids, ordered_logp),
             "outside": torch.stack([outside(ids, -1, 10), outside(ids, 0)])}
 
 
-def _references(ids, logp, mask, x, col):
-    ordered_ids, ordered_logp = rowops.order_rows_reference(ids, logp)
-    return {"append": rowops.append_column_reference(x, col, torch.int32),
+def _references(ids, logp, mask, top, top_logp):
+    return {"append": rowops.append_column_reference(ids, ids[:, 0], torch.int32),
             "first_true": torch.stack([t.long() for t in rowops.first_true_reference(mask)]),
             "head": rowops.head_log_mass_reference(logp),
-            "dup": rowops.any_duplicate_reference(ids), "ordered": rowops.rows_ordered_reference(ids, logp),
+            "dup": rowops.any_duplicate_reference(ids), "ordered": rowops.rows_ordered_reference(top, top_logp),
             "ordered_after": torch.tensor(True),
             "outside": torch.tensor([bool(((ids < -1) | (ids >= 10)).any()), bool((ids < 0).any())])}
 
 
+def _case(seed):
+    ids, logp = _rows(seed)
+    top, top_logp = _rows(seed + 1, distinct=True)
+    if seed % 2:  # half the cases already in order
+        top, top_logp = rowops.order_rows_reference(top, top_logp)
+    return ids, logp, ids == ids[:, :1].roll(1, 0), top, top_logp
+
+
 @given(seed=st.integers(0, 10**6))
 def test_primitives_match_references(seed):
-    ids, logp = _rows(seed)
-    mask = ids == ids[:, :1].roll(1, 0)
-    got, want = _all_primitives(ids, logp, mask, ids, ids[:, 0]), _references(ids, logp, mask, ids, ids[:, 0])
+    case = _case(seed)
+    got, want = _all_primitives(*case), _references(*case)
     for key in want:
         torch.testing.assert_close(got[key].to(want[key].dtype), want[key], msg=key)
-    srt_ids, srt_logp = rowops.order_rows(ids, logp)
-    ref_ids, ref_logp = rowops.order_rows_reference(ids, logp)
+    srt_ids, srt_logp = rowops.order_rows(*case[3:])
+    ref_ids, ref_logp = rowops.order_rows_reference(*case[3:])
     assert torch.equal(srt_ids, ref_ids) and torch.equal(srt_logp, ref_logp)
 
 
@@ -63,10 +72,9 @@ def test_head_log_mass_small_rows_fall_back_to_logsumexp():
 def test_compiled_primitives_match_eager():
     """One compiled graph calls every primitive (one compile for all)."""
     fused = torch.compile(_all_primitives, dynamic=True)
-    for seed in range(3):
-        ids, logp = _rows(seed)
-        mask = ids == ids[:, :1].roll(1, 0)
-        eager, comp = _all_primitives(ids, logp, mask, ids, ids[:, 0]), fused(ids, logp, mask, ids, ids[:, 0])
+    for seed in range(4):
+        case = _case(seed)
+        eager, comp = _all_primitives(*case), fused(*case)
         for key in eager:
             torch.testing.assert_close(comp[key], eager[key], msg=key)
 
