@@ -75,13 +75,9 @@ bench: $(STAMP)
 	$(VENV)/bin/pdm-lab bench
 
 clean-venv:
-<<<<<<< HEAD
 	rm -rf $(VENV) $(TRL_VENV) $(VERL_VENV)
-=======
-	rm -rf $(VENV)
 
 # The core's speed and memory on one accelerator (see pdm_lab/gpu_check.py): runs on the device
 # image's own python3 (torch + transformers), from the repo root, nothing installed or downloaded.
 gpu-check:
 	PYTHONPATH=. python3 -m pdm_lab.gpu_check --out $(RESULTS)/gpu_check.json
->>>>>>> 96b2c07 (Eager row blocks; bench alternates and reports medians with the load; gpu-check script, test and make target; tests for the fast paths)
