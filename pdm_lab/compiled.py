@@ -34,9 +34,11 @@ def compile_default() -> bool:
 
 def maybe_compiled(fn: Callable, compiled: bool | None, *, row_blocks: bool = False) -> Callable:
     """`fn`'s ``torch.compile(dynamic=True)`` twin (built once per process) when compiling; else
-    `fn` itself, or ``by_row_blocks(fn)`` with `row_blocks`."""
+    `fn` itself, or ``by_row_blocks(fn)`` with `row_blocks` when torch runs one thread: with more,
+    each block's small ops hand work between threads, and on a loaded 2-core machine those
+    hand-offs cost more than the cache saves (measured: ``token_stats`` 5× slower by blocks)."""
     if not (compile_default() if compiled is None else compiled):
-        return by_row_blocks(fn) if row_blocks else fn
+        return by_row_blocks(fn) if row_blocks and torch.get_num_threads() == 1 else fn
     if (fn, True) not in _CACHE:
         _CACHE[(fn, True)] = torch.compile(fn, dynamic=True)
     return _CACHE[(fn, True)]

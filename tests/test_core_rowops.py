@@ -98,11 +98,17 @@ def test_row_blocks_match_one_call(monkeypatch, convention):
     pi = policy_on_support(random_logp(50, 30, 4), whole.ids)
     whole_stats = token_stats(whole, pi, compiled=False)
     monkeypatch.setattr(compiled_mod, "BLOCK_ROWS", 7)
-    blocked = build()
-    for part_whole, part in ((whole, blocked), (whole_slots, slots(blocked))):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # row blocks run single-threaded only
+    try:
+        blocked = build()
+        blocked_slots = slots(blocked)
+        stats = token_stats(blocked, pi, compiled=False)
+    finally:
+        torch.set_num_threads(threads)
+    for part_whole, part in ((whole, blocked), (whole_slots, blocked_slots)):
         for f in ("ids", "k_index", "mu_logp", "mu_tail_logp", "mu_kth_logp", "tail_count"):
             assert torch.equal(getattr(part, f), getattr(part_whole, f)), f
-    stats = token_stats(blocked, pi, compiled=False)
     for f in ("topk_kl", "topk_tv", "ratio", "ddot_lower", "ddot_upper"):
         assert torch.equal(getattr(stats, f), getattr(whole_stats, f)), f
     assert all(torch.equal(stats.ddot[e], whole_stats.ddot[e]) for e in whole_stats.ddot)
@@ -112,8 +118,13 @@ def test_row_blocks_raise_the_same_error(monkeypatch):
     ids, vals, sampled = torch.tensor([[1, 2]] * 20), torch.full((20, 2), -2.0), torch.tensor([1] * 20)
     ids[13, 1] = 1
     monkeypatch.setattr(compiled_mod, "BLOCK_ROWS", 4)
-    with pytest.raises(PDMInputError, match="duplicate token id 1 in row 13; 1 rows affected"):
-        support_from_topk(ids, vals, sampled, torch.full((20,), -2.0), vocab_size=5, compiled=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(PDMInputError, match="duplicate token id 1 in row 13; 1 rows affected"):
+            support_from_topk(ids, vals, sampled, torch.full((20,), -2.0), vocab_size=5, compiled=False)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_ids_are_int32_when_the_vocabulary_allows():
