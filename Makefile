@@ -17,7 +17,7 @@ TRL_VENV := .venv-trl
 VERL_VENV := .venv-verl
 FRAMEWORK_PYTEST := -m pytest -q -o addopts=-ra -p no:cacheprovider
 
-.PHONY: run test test-core test-frameworks venv venvs bench clean-venv
+.PHONY: run test test-core test-frameworks venv venvs bench clean-venv gpu-check
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,3 +76,8 @@ bench: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV) $(TRL_VENV) $(VERL_VENV)
+
+# The core's speed and memory on one accelerator (see pdm_lab/gpu_check.py): runs on the device
+# image's own python3 (torch + transformers), from the repo root, nothing installed or downloaded.
+gpu-check:
+	PYTHONPATH=. python3 -m pdm_lab.gpu_check --out $(RESULTS)/gpu_check.json

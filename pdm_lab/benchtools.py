@@ -1,9 +1,14 @@
-"""Measurement helpers every stage's bench shares: best-of timing and peak memory on Linux."""
+"""Measurement helpers every stage's bench shares: timing (best-of, and alternated medians on a
+shared machine), peak memory on Linux, and engine-like inputs for the mask pipeline."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import statistics
 import time
 from typing import Any, Callable
+
+import torch
 
 
 def best_of(fn: Callable[[], Any], repeat: int) -> float:
@@ -54,3 +59,61 @@ def in_fresh_process(target: Callable, *args, timeout: float = 900) -> Any:
         return queue.get(timeout=timeout)
     finally:
         proc.join()
+
+
+def alternated_medians(fns: dict[str, Callable[[], Any]], rounds: int,
+                       sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median seconds of each fn over `rounds` rounds, the fns alternated within each round (after
+    one warm-up each), so that a loaded machine's drift hits every fn alike. `sync` waits for an
+    accelerator before each clock read."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def load_average() -> float:
+    """The 1-minute load average (0.0 where the OS does not report one)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def rollout_like_inputs(n_tokens: int, k: int, vocab: int, seed: int = 0, device: str = "cpu") -> dict:
+    """What a rollout engine returns for N tokens (sorted top-K, sampled id inside ~90% of the
+    time) and noise for a matching π on the support, without any [N, V] tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n_tokens, k + 1, generator=gen) * 2.0
+    logits = torch.sort(logits, dim=1, descending=True).values
+    head = torch.log_softmax(logits, dim=1)  # k+1 atoms: K head tokens and the tail
+    topk_logp = head[:, :k]
+    start = torch.randint(0, vocab - k - 1, (n_tokens, 1), generator=gen)
+    topk_ids = start + torch.arange(k)[None, :]
+    inside = torch.rand(n_tokens, generator=gen) < 0.9
+    slot = torch.randint(0, k, (n_tokens,), generator=gen)
+    sampled = torch.where(inside, topk_ids.gather(1, slot[:, None])[:, 0], (start[:, 0] + k) % vocab)
+    sampled_logp = torch.where(inside, topk_logp.gather(1, slot[:, None])[:, 0], head[:, k] - 3.0)
+    advantages = torch.where(torch.rand(n_tokens, generator=gen) < 0.5, -1.0, 1.0)
+    out = {"topk_ids": topk_ids, "topk_logp": topk_logp.contiguous(), "sampled": sampled,
+           "sampled_logp": sampled_logp, "advantages": advantages,
+           "noise": torch.randn(n_tokens, k + 2, generator=gen) * 0.3}
+    return {**{key: v.to(device) for key, v in out.items()}, "vocab": vocab}
+
+
+def policy_like(support, noise: torch.Tensor):
+    """π on the support (a leaf with grad): μ's head and tail atoms perturbed by `noise` [N, ≥ m+1]."""
+    from .policy_side import PolicyOnSupport
+    m = support.ids.shape[1]
+    raw = torch.cat([support.mu_logp, support.mu_tail_logp[:, None]], dim=1) + noise[:, : m + 1]
+    logp = torch.log_softmax(raw, dim=1)
+    tail = logp[:, m]
+    return PolicyOnSupport(logp=logp[:, :m].masked_fill(~support.valid, float("-inf")).requires_grad_(),
+                           tail_logp=tail, tail_log_sumsq=2 * tail - 3.0)

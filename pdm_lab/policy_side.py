@@ -92,7 +92,7 @@ class _SupportLogProb(torch.autograd.Function):
         for lo in range(0, n, rows):
             hi = min(lo + rows, n)
             logp[lo:hi], lse[lo:hi], tail[lo:hi], sumsq[lo:hi] = chunk_forward(
-                logits[lo:hi], ids[lo:hi], temperature)
+                logits[lo:hi], ids[lo:hi].long(), temperature)  # int64 per chunk: no [N, m] copy
         logp = logp.masked_fill(ids < 0, float("-inf"))
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature, ctx.rows, ctx.compiled = temperature, rows, compiled
@@ -107,7 +107,7 @@ class _SupportLogProb(torch.autograd.Function):
         chunk_backward = maybe_compiled(_chunk_backward, ctx.compiled)
         for lo in range(0, logits.shape[0], ctx.rows):
             hi = min(lo + ctx.rows, logits.shape[0])
-            grad_logits[lo:hi] = chunk_backward(logits[lo:hi], ids[lo:hi], lse[lo:hi], g[lo:hi],
+            grad_logits[lo:hi] = chunk_backward(logits[lo:hi], ids[lo:hi].long(), lse[lo:hi], g[lo:hi],
                                                 ctx.temperature)
         return grad_logits, None, None, None, None
 
@@ -132,7 +132,7 @@ def policy_on_support(logits: Tensor, support_ids: Tensor, *, temperature: float
     Args:
         logits: [N, V] trainer logits (any float dtype; log-probabilities work too, since
             softmax(log p) = p). Divided by the rollout temperature T (SPEC §1).
-        support_ids: [N, m] int64 support ids (``Support.ids``), −1 at padding.
+        support_ids: [N, m] integer support ids (``Support.ids``: int32 or int64), −1 at padding.
         temperature: T > 0.
         chunk_size: rows per chunk (default: about 4 MiB of float32 per chunk).
         compiled: fuse each chunk's math with ``torch.compile`` (default from
@@ -148,7 +148,7 @@ def policy_on_support(logits: Tensor, support_ids: Tensor, *, temperature: float
     rows = _chunk_rows(logits.shape[0], logits.shape[1], chunk_size)
     if logits.shape[0] == 0:
         compiled = False
-    logp, tail, sumsq = _SupportLogProb.apply(logits, support_ids.long(), float(temperature), rows, compiled)
+    logp, tail, sumsq = _SupportLogProb.apply(logits, support_ids, float(temperature), rows, compiled)
     return PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq)
 
 

@@ -79,7 +79,8 @@ def token_stats(support: Support, pi: PolicyOnSupport, *, mu_full: Tensor | None
         pi: π on the same support (``policy_on_support``).
         mu_full, pi_full: [N, n] full log-probabilities, toys only: enable ``exact`` and full KL.
         compiled: run the same math through ``torch.compile`` (one fused kernel instead of ~20
-            passes over [N, m]); default from ``PDM_LAB_COMPILE``. Tested equal to eager.
+            passes over [N, m]); default from ``PDM_LAB_COMPILE``. Eager runs it by cache-sized
+            row blocks (``compiled.by_row_blocks``). Tested equal.
     """
     check_same(("pi.logp", "support.ids"), pi.logp, support.ids)
     if (mu_full is None) != (pi_full is None):
@@ -92,7 +93,7 @@ def token_stats(support: Support, pi: PolicyOnSupport, *, mu_full: Tensor | None
         full = full_kl(mu_full, pi_full).to(dtype)
     if pi_logp.shape[0] == 0:
         compiled = False  # nothing to fuse; skip the compile
-    math = maybe_compiled(_support_math, compiled)
+    math = maybe_compiled(_support_math, compiled, row_blocks=True)
     out = math(support.mu_logp.to(dtype), pi_logp, support.mu_tail_logp.to(dtype),
                pi.tail_logp.to(dtype), pi.tail_log_sumsq.to(dtype), support.k_index,
                support.tail_count, support.mu_kth_logp.to(dtype), exact)

@@ -1,0 +1,153 @@
+"""Fast paths of support construction against their naive references: the row primitives (eager,
+compiled, reference), eager row blocks against one whole-tensor call, int32 ids, and the checks
+the fused validation pass adds."""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from core_helpers import random_logp, sample_from
+from pdm_lab import compiled as compiled_mod
+from pdm_lab import rowops
+from pdm_lab.benchtools import rollout_like_inputs
+from pdm_lab.errors import PDMInputError
+from pdm_lab.support import support_from_full, support_from_slots, support_from_topk
+from pdm_lab.support_checks import outside
+
+
+def _rows(seed: int, n_rows: int = 40, width: int = 7, vocab: int = 12, distinct: bool = False):
+    """Integer rows (with repeats unless `distinct`), padding (−1) at the end of some, and logps
+    with ties."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n_rows, width), generator=gen)
+    if distinct:  # the order of a top-K row is defined for distinct ids
+        ids = torch.argsort(torch.rand(n_rows, vocab, generator=gen), dim=1)[:, :width]
+    logp = -torch.randint(0, 4, (n_rows, width), generator=gen).double()
+    pad = torch.arange(width) >= width - torch.randint(0, 3, (n_rows, 1), generator=gen)
+    return ids.masked_fill(pad, -1), logp.masked_fill(pad, float("-inf"))
+
+
+def _all_primitives(ids, logp, mask, top, top_logp):
+    ordered_ids, ordered_logp = rowops.order_rows(top, top_logp)
+    return {"append": rowops.append_column(ids, ids[:, 0], torch.int32),
+            "first_true": torch.stack(rowops.first_true(mask)),
+            "head": rowops.head_log_mass(logp),
+            "dup": rowops.any_duplicate(ids), "ordered": rowops.rows_ordered(top, top_logp),
+            "ordered_after": rowops.rows_ordered(ordered_ids, ordered_logp),
+            "outside": torch.stack([outside(ids, -1, 10), outside(ids, 0)])}
+
+
+def _references(ids, logp, mask, top, top_logp):
+    return {"append": rowops.append_column_reference(ids, ids[:, 0], torch.int32),
+            "first_true": torch.stack([t.long() for t in rowops.first_true_reference(mask)]),
+            "head": rowops.head_log_mass_reference(logp),
+            "dup": rowops.any_duplicate_reference(ids), "ordered": rowops.rows_ordered_reference(top, top_logp),
+            "ordered_after": torch.tensor(True),
+            "outside": torch.tensor([bool(((ids < -1) | (ids >= 10)).any()), bool((ids < 0).any())])}
+
+
+def _case(seed):
+    ids, logp = _rows(seed)
+    top, top_logp = _rows(seed + 1, distinct=True)
+    if seed % 2:  # half the cases already in order
+        top, top_logp = rowops.order_rows_reference(top, top_logp)
+    return ids, logp, ids == ids[:, :1].roll(1, 0), top, top_logp
+
+
+@given(seed=st.integers(0, 10**6))
+def test_primitives_match_references(seed):
+    case = _case(seed)
+    got, want = _all_primitives(*case), _references(*case)
+    for key in want:
+        torch.testing.assert_close(got[key].to(want[key].dtype), want[key], msg=key)
+    srt_ids, srt_logp = rowops.order_rows(*case[3:])
+    ref_ids, ref_logp = rowops.order_rows_reference(*case[3:])
+    assert torch.equal(srt_ids, ref_ids) and torch.equal(srt_logp, ref_logp)
+
+
+def test_head_log_mass_small_rows_fall_back_to_logsumexp():
+    logp = torch.tensor([[-800.0, -801.0], [-0.1, -3.0]], dtype=torch.float64)
+    torch.testing.assert_close(rowops.head_log_mass(logp), torch.logsumexp(logp, 1))
+
+
+def test_compiled_primitives_match_eager():
+    """One compiled graph calls every primitive (one compile for all)."""
+    fused = torch.compile(_all_primitives, dynamic=True)
+    for seed in range(4):
+        case = _case(seed)
+        eager, comp = _all_primitives(*case), fused(*case)
+        for key in eager:
+            torch.testing.assert_close(comp[key], eager[key], msg=key)
+
+
+@pytest.mark.parametrize("convention", ["union", "kslot"])
+def test_row_blocks_match_one_call(monkeypatch, convention):
+    """Eager row blocks (7 rows here) build the same support and stats as one whole-tensor call."""
+    from pdm_lab.stats import token_stats
+    from pdm_lab.policy_side import policy_on_support
+    mu = random_logp(50, 30, 3)
+    sampled = sample_from(mu, 3)
+    vals, ids = torch.sort(mu, dim=1, descending=True, stable=True)
+    ids, vals = ids[:, :6].clone(), vals[:, :6].clone()
+    ids[::5, 4:], vals[::5, 4:] = -1, 0.0  # padding in some rows
+    keep = torch.arange(50) % 9 != 4
+    build = lambda: support_from_topk(ids, vals, sampled, mu.gather(1, sampled[:, None])[:, 0], vocab_size=30,
+                                      k=4, convention=convention, row_mask=keep, compiled=False)
+    slots = lambda s: support_from_slots(s.ids, s.mu_logp, s.sampled, vocab_size=30, compiled=False)
+    whole = build()
+    whole_slots = slots(whole)
+    pi = policy_on_support(random_logp(50, 30, 4), whole.ids)
+    whole_stats = token_stats(whole, pi, compiled=False)
+    monkeypatch.setattr(compiled_mod, "BLOCK_ROWS", 7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # row blocks run single-threaded only
+    try:
+        blocked = build()
+        blocked_slots = slots(blocked)
+        stats = token_stats(blocked, pi, compiled=False)
+    finally:
+        torch.set_num_threads(threads)
+    for part_whole, part in ((whole, blocked), (whole_slots, blocked_slots)):
+        for f in ("ids", "k_index", "mu_logp", "mu_tail_logp", "mu_kth_logp", "tail_count"):
+            assert torch.equal(getattr(part, f), getattr(part_whole, f)), f
+    for f in ("topk_kl", "topk_tv", "ratio", "ddot_lower", "ddot_upper"):
+        assert torch.equal(getattr(stats, f), getattr(whole_stats, f)), f
+    assert all(torch.equal(stats.ddot[e], whole_stats.ddot[e]) for e in whole_stats.ddot)
+
+
+def test_row_blocks_raise_the_same_error(monkeypatch):
+    ids, vals, sampled = torch.tensor([[1, 2]] * 20), torch.full((20, 2), -2.0), torch.tensor([1] * 20)
+    ids[13, 1] = 1
+    monkeypatch.setattr(compiled_mod, "BLOCK_ROWS", 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(PDMInputError, match="duplicate token id 1 in row 13; 1 rows affected"):
+            support_from_topk(ids, vals, sampled, torch.full((20,), -2.0), vocab_size=5, compiled=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_ids_are_int32_when_the_vocabulary_allows():
+    inp = rollout_like_inputs(64, 5, vocab=1000)
+    args = (inp["topk_ids"], inp["topk_logp"], inp["sampled"], inp["sampled_logp"])
+    s = support_from_topk(*args, vocab_size=1000)
+    assert s.ids.dtype == torch.int32 and s.sampled.dtype == torch.int64
+    assert torch.equal(s.sampled, inp["sampled"])
+    assert support_from_topk(*args, vocab_size=2**31).ids.dtype == torch.int64
+    full = support_from_full(random_logp(4, 9, 0), torch.tensor([0, 1, 2, 3]), k=3)
+    assert full.ids.dtype == torch.int32
+
+
+def test_an_id_that_would_wrap_in_int32_is_out_of_range():
+    ids = torch.tensor([[1, 2**32 + 2]])
+    with pytest.raises(PDMInputError, match=r"support ids: id out of range \[0, 5\).*position \[0, 1\]"):
+        support_from_topk(ids, torch.tensor([[-1.0, -2.0]]), torch.tensor([1]), torch.tensor([-1.0]), vocab_size=5)
+
+
+def test_sampled_logp_contradicting_its_topk_entry():
+    ids, logp = torch.tensor([[1, 2], [3, 4]]), torch.tensor([[-0.5, -1.5], [-0.7, -1.0]])
+    ok = support_from_topk(ids, logp, torch.tensor([2, 4]), torch.tensor([-1.5, -1.0 - 5e-4]), vocab_size=5)
+    assert ok.mu_logp_k.tolist() == [-1.5, -1.0]  # k's top-K entry is log μ_k
+    with pytest.raises(PDMInputError, match=r"sampled_logp: contradicts topk_logp at the sampled token "
+                                            r"\(row index; value shown\) at position \[1\]"):
+        support_from_topk(ids, logp, torch.tensor([2, 4]), torch.tensor([-1.5, -0.7]), vocab_size=5)
