@@ -43,14 +43,10 @@ def test_oracle_hand_values():
     assert oracle_support([0.0, 0.0, 0.0], sampled=2, k=2, convention="kslot") == [0, 2]
 
 
-# binary KL: the kit finds pdm_lab's known bug (issue 10): log π_k rounds to 0 for a near-certain
-# token and binary_kl returns +inf where the true value is finite. Strict: a fix must remove this.
-BINARY_KL_BUG = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                  reason="binary_kl is +inf when log π_k rounds to 0 (true value finite)")
-
-
-@pytest.mark.parametrize("divergence", ["topk_kl", "topk_tv", pytest.param("binary_kl", marks=BINARY_KL_BUG),
-                                        "binary_tv"])
+# binary KL once returned +inf when log π_k rounded to 0 for a near-certain token (true value
+# finite); the kit found it (issue 10) and the complement from the rest of the distribution fixed
+# it (issue 9), so binary_kl must pass like the others.
+@pytest.mark.parametrize("divergence", ["topk_kl", "topk_tv", "binary_kl", "binary_tv"])
 def test_pdm_lab_passes_its_own_kit(divergence):
     check_divergence(pdm_lab_divergence(divergence), divergence, max_examples=25)
 
