@@ -97,7 +97,7 @@ def test_sampled_logp_contradicting_its_topk_entry_is_refused():
     good = torch.tensor([float(logp[0, 1]), math.log(0.05)])
     support_from_topk(ids, logp, sampled, good, vocab_size=8)
     bad = torch.tensor([math.log(0.01), math.log(0.05)])
-    with pytest.raises(PDMInputError, match=r"sampled_logp: contradicts .* position \[0, 1\]"):
+    with pytest.raises(PDMInputError, match=r"sampled_logp: contradicts .* position \[0\]"):
         support_from_topk(ids, logp, sampled, bad, vocab_size=8)
 
 

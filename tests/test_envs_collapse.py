@@ -55,7 +55,7 @@ def test_preset_and_report_table():
     assert "none" in COLLAPSE_SWEEP.mismatches  # the control
     base = dict(delta=0.15, k=20, convention="union", optimizer="sgd", lr=10.0, steps=40, epochs=1,
                 minibatches=1, mask_fraction=0.0, update_topk_kl_mean=0.1, unsafe_keep=math.nan,
-                unsafe_keep_count=0)
+                unsafe_keep_count=0, unsafe_count=0)
     rows = [dict(base, rule="none", mismatch="temperature:-0.5", final_reward=0.06 if i < 3 else 0.9,
                  collapsed=i < 3) for i in range(4)]
     text = "\n".join(collapse_section(rows))

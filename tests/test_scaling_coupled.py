@@ -204,19 +204,19 @@ def test_tiny_loop_trains_with_pdm_coupled(tmp_path):
 
 def test_promotable_from_a_sweep(tmp_path):
     """A sweep whose best never-collapsed cell is pdm_coupled promotes to ``mask.rule: pdm_coupled``."""
-    import json
+    import dataclasses
     from pathlib import Path
 
+    from pdm_lab.results import write_results
     from pdm_lab.scaling.config import load_config
     from pdm_lab.scaling.promote import promote
+    from test_scaling_promote import row
 
-    rows = [{"cell_id": cell, "rule": rule, "delta": 0.15, "k": 20, "convention": "union", "estimator": None,
-             "mismatch_kind": "noise", "mismatch_strength": 1.0, "seed": seed, "final_reward": reward + 0.01 * seed,
-             "collapsed": False, "unsafe_keep": 0.3}
+    rows = [dataclasses.replace(row(cell, rule, reward + 0.01 * seed, seed), estimator="topk")
             for cell, rule, reward in (("a", "pdm_topk", 0.7), ("b", "pdm_coupled", 0.8)) for seed in range(2)]
     sweep = tmp_path / "sweep"
     sweep.mkdir()
-    (sweep / "results.json").write_text(json.dumps(rows))
+    write_results(sweep, rows)
     base = Path(__file__).resolve().parents[1] / "scaling" / "configs" / "tiny-cpu.yaml"
     promote(sweep, base, tmp_path / "promoted.yaml", log=lambda *_: None)
     assert load_config(tmp_path / "promoted.yaml").mask.rule == "pdm_coupled"
