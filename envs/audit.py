@@ -249,27 +249,50 @@ def rule_step(model: nn.Module, tokens: TokenBatch, mask: MaskConfig, cfg: Audit
     times the response-token count), so ``cfg.lr`` is the effective per-token step. Two rules
     with the same keep mask take the same step: ``cache`` (keep bytes → ΔD) reuses it.
     """
+    return rule_steps(model, tokens, mask, cfg, focus, before, (1.0,), cache)[1.0]
+
+
+def rule_steps(model: nn.Module, tokens: TokenBatch, mask: MaskConfig, cfg: AuditConfig,
+               focus: Tensor, before: dict[str, Tensor], scales: tuple[float, ...],
+               cache: dict | None = None) -> dict[float, RuleStep]:
+    """``rule_step`` at the step sizes η·s for each s in `scales`, from one forward and backward.
+
+    The mask is decided before the step, so it does not depend on η; and the first step of
+    either optimiser is linear in η (SGD: −η g; a fresh Adam: −η m̂/(√v̂ + ε), with m̂ = g and
+    v̂ = g²), so the step at η·s is s times the step at η: θ_s = θ + s (θ_η − θ). In float64 this
+    equals a separate step at η·s to rounding (tested). ``cache`` is keyed by the keep mask and
+    the scales.
+    """
     if mask.aggregation != "token-mean":
         raise ValueError("rule_step: the audited step sums the token-mean loss back to a token sum")
     trial = copy.deepcopy(model)
     out = masked_loss(trial, tokens, mask)
     keep = out.keep.reshape(-1) > 0
-    key = keep.numpy().tobytes()
+    key = (keep.numpy().tobytes(), tuple(scales))
     if cache is not None and key in cache:
-        return RuleStep(keep=keep, delta=cache[key])
+        return {s: RuleStep(keep=keep, delta=d) for s, d in cache[key].items()}
+    start = [p.detach().clone() for p in trial.parameters()]
     opt = make_optimizer(cfg.optimizer, trial.parameters(), cfg.lr)
     opt.zero_grad(set_to_none=True)
     (out.loss * tokens.response_mask.sum()).backward()
     opt.step()
-    after = measure(trial, tokens.rows(focus))
-    delta = {}
-    for name in MEASURED_DIVERGENCES:
-        full = torch.full((tokens.num_tokens,), float("nan"), dtype=PRECISION)
-        full[focus] = after[name] - before[name]
-        delta[name] = full
+    stepped = [p.detach().clone() for p in trial.parameters()]
+    sub = tokens.rows(focus)
+    deltas: dict[float, dict[str, Tensor]] = {}
+    for scale in scales:
+        with torch.no_grad():  # scale 1 is the optimiser's own step, bit for bit
+            for p, p0, p1 in zip(trial.parameters(), start, stepped):
+                p.copy_(p1 if scale == 1.0 else p0 + scale * (p1 - p0))
+        after = measure(trial, sub)
+        delta = {}
+        for name in MEASURED_DIVERGENCES:
+            full = torch.full((tokens.num_tokens,), float("nan"), dtype=PRECISION)
+            full[focus] = after[name] - before[name]
+            delta[name] = full
+        deltas[scale] = delta
     if cache is not None:
-        cache[key] = delta
-    return RuleStep(keep=keep, delta=delta)
+        cache[key] = deltas
+    return {s: RuleStep(keep=keep, delta=d) for s, d in deltas.items()}
 
 
 def _tokens_per_state(tokens: TokenBatch, resp: Tensor) -> float:

@@ -1,7 +1,7 @@
 """The aggregate measure of SPEC §3b next to the per-token audit of SPEC §6.
 
 Built on the audit's own mechanics (``envs/audit.py``: the batch, the float64 cast, the
-``shared``/``distinct`` contexts, ``rule_step`` with its token-sum loss, so ``lr`` = η is the
+``shared``/``distinct`` contexts, ``rule_steps`` with its token-sum loss, so ``lr`` = η is the
 effective per-token step). Per seed, with O = {t : D_t > δ, Â_t ≠ 0} (the audit's focus rows):
 
 * per rule, the realised ΔD_O = Σ_{t∈O} (D_t after − D_t before) of the full-batch step, for the
@@ -32,7 +32,7 @@ import torch
 from pdm_lab import audit as stats_lib
 from pdm_lab.config import to_dict
 
-from .audit import PRECISION, AuditConfig, audit_batch, audit_model, float64_tokens, measure, rule_step
+from .audit import PRECISION, AuditConfig, audit_batch, audit_model, float64_tokens, measure, rule_steps
 from .coupled import toy_coupled_scores
 from .update import current_stats, outside_region
 
@@ -70,22 +70,22 @@ def context_record(cfg: CoupledAuditConfig, policy, tokens, focus, ctx: str) -> 
     outside[foc] = True
     rec = {"outside": int(foc.numel()), "rules": {}}
     base: dict = {}
-    for scale in cfg.step_scales:
-        step_cfg = replace(a, lr=a.lr * scale)
-        cache: dict = {}  # rules with the same mask take the same step
-        for rule in cfg.rules:
-            st = rule_step(model, tok, a.mask(rule), step_cfg, foc, before, cache)
-            entry = rec["rules"].setdefault(rule, {name: {} for name in ("delta_d_outside", "delta_full_kl_outside",
-                                                                         "predicted")})
+    cache: dict = {}  # rules with the same mask take the same step
+    for rule in cfg.rules:
+        steps = rule_steps(model, tok, a.mask(rule), a, foc, before, cfg.step_scales, cache)
+        entry = rec["rules"].setdefault(rule, {name: {} for name in ("delta_d_outside", "delta_full_kl_outside",
+                                                                     "predicted")})
+        for scale, st in steps.items():
+            lr = a.lr * scale
             key = f"{scale:g}"
             entry["delta_d_outside"][key] = float(st.delta["topk_kl"][foc].sum())
             entry["delta_full_kl_outside"][key] = float(st.delta["full_kl"][foc].sum())
             keep = st.keep.to(c.dtype)
-            entry["predicted"][key] = (float(step_cfg.lr * (keep * c).sum()) if a.optimizer == "sgd" else math.nan)
+            entry["predicted"][key] = (float(lr * (keep * c).sum()) if a.optimizer == "sgd" else math.nan)
             if scale == 1.0:
                 base[rule] = st
-                entry["predicted_from_outside"] = float(step_cfg.lr * (keep * c)[outside].sum())
-                entry["predicted_from_inside"] = float(step_cfg.lr * (keep * c)[~outside].sum())
+                entry["predicted_from_outside"] = float(lr * (keep * c)[outside].sum())
+                entry["predicted_from_inside"] = float(lr * (keep * c)[~outside].sum())
                 entry["kept_outside"] = int((st.keep & outside).sum())
                 entry["kept_outside_positive_c"] = int((st.keep & outside & (c > 0)).sum())
     ref = cfg.rules[0]

@@ -70,3 +70,33 @@ def test_toy_training_with_pdm_coupled_and_adam():
     out = train(cfg)
     assert math.isfinite(out["final_reward"]) and out["steps_done"] == 3
     assert 0 < out["mask_fraction"] < 1
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_scaled_steps_equal_separate_steps(optimizer):
+    # rule_steps takes η·s as s times the step at η (both first steps are linear in η): the same
+    # ΔD as a separate optimiser step at η·s, to float64 rounding
+    import copy
+    import dataclasses
+
+    import torch
+
+    from pdm_lab.envs.audit import audit_batch, float64_tokens, measure, rule_step, rule_steps
+    from pdm_lab.envs.update import current_stats, outside_region
+
+    audit = dataclasses.replace(_cfg("neural", seeds=1).audit, optimizer=optimizer)
+    _, policy, batch, adv = audit_batch(audit, 0)
+    mask = audit.mask("pdm_topk")
+    tokens = float64_tokens(batch, adv, mask)
+    model = copy.deepcopy(policy).to(torch.float64)
+    with torch.no_grad():
+        stats = current_stats(model, tokens, full=False)
+    focus = torch.nonzero(outside_region(stats, tokens.advantages, mask) & tokens.response_mask.reshape(-1))[:, 0]
+    assert focus.numel() > 0
+    before = measure(model, tokens.rows(focus))
+    scaled = rule_steps(model, tokens, mask, audit, focus, before, (0.1, 1.0, 10.0))
+    for scale, step in scaled.items():
+        alone = rule_step(model, tokens, mask, dataclasses.replace(audit, lr=audit.lr * scale), focus, before)
+        assert torch.equal(step.keep, alone.keep)
+        for name in ("topk_kl", "full_kl"):
+            torch.testing.assert_close(step.delta[name][focus], alone.delta[name][focus], rtol=1e-9, atol=1e-13)
