@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pdm_lab.audit import regime_table
+from pdm_lab.cli import int_at_least
 
 from .audit import AuditConfig, _regime_inputs, _table, audit_batch, float64_tokens
 from .mismatch import Mismatch, MismatchSource
@@ -152,8 +153,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--preset", default="quick", choices=sorted(AUDIT_PRESETS), help="toy setting (default: quick)")
     p.add_argument("--mismatch", help=f"μ's mismatch (kinds: {', '.join(MISMATCH_KINDS)}; named stress settings: "
                                       f"{', '.join(STRESS_MISMATCHES)})")
-    p.add_argument("--seeds", type=int, default=4, help="fresh batches (default 4)")
-    p.add_argument("--sequences", type=int, help="sequences per batch")
+    p.add_argument("--seeds", type=int_at_least(1), default=4, help="fresh batches (default 4)")
+    p.add_argument("--sequences", type=int_at_least(1), help="sequences per batch")
     p.add_argument("--delta", type=float, help="δ (default: the preset's)")
     p.add_argument("--target", type=float, help="search the strength for this outside fraction (e.g. 0.002)")
     p.add_argument("--from-run", type=Path, help="a scaling run folder (its mismatch_sample.jsonl)")

@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdm_lab.cli import int_at_least
 from pdm_lab.config import ConfigError, apply_overrides, from_dict, to_dict
 
 OVERRIDES_HELP = "key.path=value overrides of the config's fields (YAML values: rules=[a,b] base.steps=3)"
@@ -27,7 +28,7 @@ def _add_config_arguments(p: argparse.ArgumentParser, presets: dict, default: st
                    help=f"starting configuration (default: {default})")
     p.add_argument("--config", type=Path, help=f"YAML file with {what} fields, laid over the preset")
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default: runs/{p.prog.split()[-1]}-<preset>)")
-    p.add_argument("--seeds", type=int, help="seeds (same as seeds=N)")
+    p.add_argument("--seeds", type=int_at_least(1), help="seeds (same as seeds=N)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help=OVERRIDES_HELP)
 
@@ -105,7 +106,7 @@ def register_sweep(subparsers) -> None:
                     "mismatches=[none,noise:1,stale:4] deltas=[0.05,0.15] ks=[20] base.steps=20 "
                     "base.problem.kind=token_mdp base.policy=neural base_mismatch=stale:2.")
     _add_config_arguments(p, SWEEP_PRESETS, "quick", "SweepConfig")
-    p.add_argument("--workers", type=int, default=None, help="parallel processes (default: all cores)")
+    p.add_argument("--workers", type=int_at_least(1), default=None, help="parallel processes (default: all cores)")
     p.add_argument("--executor", choices=EXECUTORS, default="local")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (default: a local instance)")
     p.add_argument("--audit", dest="audit", action="store_true", default=None,

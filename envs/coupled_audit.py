@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from pdm_lab import audit as stats_lib
+from pdm_lab.cli import int_at_least
 from pdm_lab.config import to_dict
 
 from .audit import PRECISION, AuditConfig, audit_batch, audit_model, float64_tokens, measure, rule_steps
@@ -210,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description="SPEC §3b: realised ΔD_O per rule and step size, per-token unsafe-keep")
     ap.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS))
     ap.add_argument("--policy", choices=("tabular", "neural"))
-    ap.add_argument("--seeds", type=int)
-    ap.add_argument("--sequences", type=int)
+    ap.add_argument("--seeds", type=int_at_least(1))
+    ap.add_argument("--sequences", type=int_at_least(1))
     ap.add_argument("--mismatch")
     ap.add_argument("--contexts", nargs="+", choices=("shared", "distinct"))
     ap.add_argument("--scales", type=float, nargs="+", help="step sizes as multiples of the audit's lr (must include 1)")

@@ -10,6 +10,20 @@ import sys
 from .plugins import COMMANDS, PluginError, discover, load
 
 
+def int_at_least(minimum: int):
+    """An argparse ``type`` for an integer ≥ `minimum` (``--workers 0`` is an error, not a default)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be ≥ {minimum}, got {value}")
+        return value
+    parse.__name__ = f"integer ≥ {minimum}"
+    return parse
+
+
 def _command_of(argv: list[str], names) -> str | None:
     """The command named on the line (the first word that is not an option), if it is known."""
     for word in argv:

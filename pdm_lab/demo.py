@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .cli import int_at_least
 from .diagnose import DIAGNOSE_MASKS, diagnose
 from .synthetic import synthetic_batch
 
@@ -70,9 +71,9 @@ def main(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("demo", help="the masks on synthetic LLM-like batches (prints a table, writes JSON)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=1024, help="tokens per batch (default 1024)")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size n (default 32000)")
-    p.add_argument("--k", type=int, default=20, help="top-K (default 20)")
+    p.add_argument("--tokens", type=int_at_least(1), default=1024, help="tokens per batch (default 1024)")
+    p.add_argument("--vocab", type=int_at_least(1), default=32000, help="vocabulary size n (default 32000)")
+    p.add_argument("--k", type=int_at_least(1), default=20, help="top-K (default 20)")
     p.add_argument("--delta", type=float, default=0.05, help="threshold δ (default 0.05)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/demo.json", help="JSON output (default results/demo.json)")

@@ -42,6 +42,7 @@ TABLE = [
     ("sweep-mismatch-nan", ["sweep", "mismatches=[noise:nan]", "--out", "{tmp}/s"], "strength"),
     ("sweep-steps-0", ["sweep", "base.steps=0", "--out", "{tmp}/s"], "steps"),
     ("sweep-seeds-0", ["sweep", "--seeds", "0", "--out", "{tmp}/s"], "seeds"),
+    ("sweep-workers-0", ["sweep", "--workers", "0", "--out", "{tmp}/s"], "--workers"),
     ("sweep-out-is-file", ["sweep", "base.steps=1", "--seeds", "1", "--no-audit", "--out", "{tmp}/afile"], "afile"),
     ("sweep-config-malformed", ["sweep", "--config", "{tmp}/bad.yaml", "--out", "{tmp}/s"], "bad.yaml"),
     ("audit-seeds-0", ["audit", "--seeds", "0", "--out", "{tmp}/a"], "seeds"),
