@@ -24,6 +24,14 @@ def int_at_least(minimum: int):
     return parse
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error is one line naming the argument (issue 9), with a pointer to --help
+    instead of the full usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+
+
 def _command_of(argv: list[str], names) -> str | None:
     """The command named on the line (the first word that is not an option), if it is known."""
     for word in argv:
@@ -38,7 +46,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     A plugin that fails to load is a ``PluginError`` when it is the command asked for; otherwise
     (``--help``, an unknown word) it is reported on stderr in one line and left out.
     """
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="pdm-lab",
         description="Predictive Divergence Masks testbed: proofs, toy sweeps, and a real vLLM + FSDP loop.",
     )
