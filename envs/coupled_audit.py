@@ -168,6 +168,63 @@ def summarize(cfg: CoupledAuditConfig, per_seed: list[dict], ctx: str) -> dict:
     return out
 
 
+def _g(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
+
+
+def _ci(d: dict) -> str:
+    return f"{_g(d['mean_diff'])} [{_g(d['ci_low'])}, {_g(d['ci_high'])}]"
+
+
+def report_markdown(doc: dict) -> str:
+    """``report.md`` of the study: per contexts setting, the full-batch step per rule (realised
+    ΔD_O, its first-order parts, unsafe-keep), ΔD_O against ``pdm_coupled`` paired over seeds, and
+    where first order stops holding (realised over predicted per step size)."""
+    cfg, step = doc["config"], doc["step"]
+    a = cfg["audit"]
+    rules, scales = cfg["rules"], [f"{s:g}" for s in cfg["step_scales"]]
+    lines = ["# The coupled mask's aggregate measure (SPEC §3b)", "",
+             f"Regime: {a['problem']['kind']}, {a['policy']} policy, mismatch `{a['mismatch']}`, "
+             f"{a['seeds']} seeds × {a['sequences']} sequences, δ = {a['delta']}, K = {a['k']}; "
+             f"precision {str(PRECISION).removeprefix('torch.')}, optimiser {a['optimizer']}, "
+             f"per-token step η = {a['lr']:g} (× the scales {', '.join(scales)}); ΔD tolerance "
+             f"{a['tolerance']:g}. O = out-of-region tokens (D > δ, Â ≠ 0) of the reference rule "
+             f"`{rules[0]}`'s statistics; ΔD_O = Σ_{{t∈O}} ΔD_t (top-K KL) of one full-batch step. "
+             "CIs: 95%, bootstrap over seeds (paired); p: exact two-sided sign test. "
+             f"Wall time {doc.get('wall_s', math.nan) / 60:.1f} min.", ""]
+    for ctx, summ in doc["summary"].items():
+        lines += [f"## Contexts: {ctx} ({summ['seeds']} seeds, {summ['outside_total']} tokens in O, "
+                  f"{_g(summ['outside_mean'])} per seed)", "",
+                  "| rule | ΔD_O mean (η) | first-order: O's part | in-region part | seeds ΔD_O > 0 | "
+                  "kept in O | unsafe-keep in O (grew / kept) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for rule in rules:
+            e = summ["rules"][rule]
+            kept = e["all_kept_outside"]
+            lines.append(f"| `{rule}` | {_g(e['1']['delta_d_outside_mean'])} | {_g(e['predicted_from_outside_mean'])} | "
+                         f"{_g(e['predicted_from_inside_mean'])} | {e['1']['seeds_delta_d_positive']}/{summ['seeds']} | "
+                         f"{kept['count']} | {_g(kept['unsafe_keep'])} ({kept['grew']}/{kept['count']}) |")
+        lines += ["", f"ΔD_O of each rule minus `{COUPLED}`'s (negative: the rule shrank D_O more), paired over seeds:", "",
+                  "| rule | " + " | ".join(f"scale {s}: diff [CI], p" for s in scales) + " |",
+                  "| --- |" + " --- |" * len(scales)]
+        for rule, per_scale in summ["delta_d_vs_coupled"].items():
+            lines.append(f"| `{rule}` | " + " | ".join(
+                f"{_ci(per_scale[s])}, p = {_g(per_scale[s]['sign_test_p'])}" for s in scales) + " |")
+        lines += ["", "Realised ΔD_O over its first-order prediction η·s·Σ_t M_t c_t (1: first order holds):", "",
+                  "| rule | " + " | ".join(f"scale {s}" for s in scales) + " |", "| --- |" + " ---: |" * len(scales)]
+        for rule in rules:
+            e = summ["rules"][rule]
+            lines.append(f"| `{rule}` | " + " | ".join(_g(e[s]["realised_over_predicted"]) for s in scales) + " |")
+        lines += ["", f"Per-token unsafe-keep on the O tokens where a rule and `{rules[0]}` disagree (pooled):", "",
+                  f"| rule | disagreements per seed | `{rules[0]}` | rule | pooled diff [CI] |", "| --- | ---: | ---: | ---: | ---: |"]
+        for rule, e in summ["unsafe_keep_vs_ref"].items():
+            lines.append(f"| `{rule}` | {_g(e['disagreement_mean'])} | {_g(e[rules[0]]['unsafe_keep'])} "
+                         f"({e[rules[0]]['grew']}/{e[rules[0]]['count']}) | {_g(e[rule]['unsafe_keep'])} "
+                         f"({e[rule]['grew']}/{e[rule]['count']}) | {_ci(e['pooled_diff'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def run_coupled_audit(cfg: CoupledAuditConfig, out: str | Path | None = None, *, progress=None) -> dict:
     """Every seed (resuming from ``out``/per_seed.jsonl), then the summary (``out``/coupled_audit.json)."""
     start = time.perf_counter()
@@ -198,6 +255,7 @@ def run_coupled_audit(cfg: CoupledAuditConfig, out: str | Path | None = None, *,
            "per_seed": per_seed, "wall_s": time.perf_counter() - start}
     if out is not None:
         (out / "coupled_audit.json").write_text(json.dumps(doc, indent=1))
+        (out / "report.md").write_text(report_markdown(doc))
     return doc
 
 
@@ -216,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mismatch")
     ap.add_argument("--contexts", nargs="+", choices=("shared", "distinct"))
     ap.add_argument("--scales", type=float, nargs="+", help="step sizes as multiples of the audit's lr (must include 1)")
-    ap.add_argument("--out", type=Path, required=True, help="folder for per_seed.jsonl and coupled_audit.json (resumes)")
+    ap.add_argument("--out", type=Path, required=True, help="folder for per_seed.jsonl, coupled_audit.json and report.md (resumes)")
     args = ap.parse_args(argv)
     audit = replace(preset(AUDIT_PRESETS, args.preset), k_sweep=(), stress_mismatch="")
     for name in ("policy", "seeds", "sequences", "mismatch"):
@@ -228,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     doc = run_coupled_audit(cfg, args.out, progress=lambda seed, rec: print(
         f"seed {seed}: {rec['outside']} outside tokens, {time.perf_counter() - t0:.0f}s", flush=True))
-    print(json.dumps(doc["summary"], indent=1))
+    print(report_markdown(doc))
     return 0
 
 

@@ -47,6 +47,11 @@ def test_document_and_first_order(neural):
     comp = s["delta_d_vs_coupled"]["pdm_topk"]["1"]
     assert comp["ci_low"] <= comp["mean_diff"] <= comp["ci_high"] and 0 <= comp["sign_test_p"] <= 1
     assert json.loads((out / "coupled_audit.json").read_text())["summary"]["shared"]["seeds"] == 2
+    report = (out / "report.md").read_text()
+    for text in ("## Contexts: shared", "## Contexts: distinct", "`pdm_coupled`", "precision float64", "η = 0.001"):
+        assert text in report, text
+    # the realised ΔD_O of each rule appears as measured
+    assert f"{s['rules']['pdm_topk']['1']['delta_d_outside_mean']:.3g}" in report
 
 
 def test_distinct_contexts_coupled_is_topk(neural):
