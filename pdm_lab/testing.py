@@ -16,10 +16,13 @@ For a user's own test suite (needs ``hypothesis`` and ``mpmath``: ``pip install 
 The cases (``llm_cases``) crowd the edges where implementations go wrong: peaked and flat
 rows, ties at the top-K boundary, near-certain tokens (1 − 1e-17), tails down to 1e-300 (on one
 side only, where 1 − Σ head loses every digit), the sampled token inside and outside the top-K,
-both support conventions (SPEC §2). The oracle recomputes SPEC §2–4 in ``mpmath`` at 60 digits
+both support conventions (SPEC §2), and μ cut by the engine's top-k or top-p (cut tokens at −inf,
+a legal zero probability, SPEC §8: inside S when K exceeds the kept tokens, or the whole tail so
+that μ_T = 0). The oracle recomputes SPEC §2–4 in ``mpmath`` at 60 digits
 from the same float64 inputs, with the support chosen by SPEC's tie rule; a mask check skips
 only tokens that sit on a decision boundary within rounding (D ≈ δ, Ḋ ≈ 0, r ≈ 1).
-tests/test_testing_kit.py shows it catching a 1 − Σ tail implementation and passing pdm_lab's.
+tests/test_testing_kit.py shows it catching a 1 − Σ tail implementation and a μ·(log μ − log π)
+one that turns a cut token into NaN, and passing pdm_lab's.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ except ImportError as err:  # the core installs without them
 
 #: Regimes of ``llm_cases`` (each a way real logits break naive code).
 REGIMES = ("peaked", "flat", "ties", "near_certain", "deep_tail")
+#: Engine truncations of μ in ``llm_cases``: none, top-k, top-p (cut tokens come back as −inf).
+CUTS = ("none", "top_k", "top_p")
 #: Divergences ``check_divergence`` knows, and the rules ``check_mask`` knows.
 ORACLE_DIVERGENCES = ("topk_kl", "topk_tv", "binary_kl", "binary_tv")
 ORACLE_MASKS = ("dppo_topk_kl", "dppo_topk_tv", "dppo_binary_kl", "dppo_binary_tv", "pdm_exact", "pdm_topk")
@@ -84,11 +89,28 @@ def _logits(regime: str, rows: int, n: int, gen: torch.Generator, k: int) -> Ten
     return z
 
 
+def _cut(mu: Tensor, cut: str, top_k: int, top_p: float) -> Tensor:
+    """μ as a sampling engine returns it after top-k or top-p truncation (processed log-probs):
+    the cut tokens at −inf, the kept ones renormalised (SPEC §8: a legal zero probability)."""
+    order = torch.argsort(-mu, dim=1, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(mu.shape[1]).expand_as(order))
+    if cut == "top_k":
+        kept = rank < top_k
+    else:  # top-p: the smallest head holding ≥ p, always at least the most likely token
+        before = torch.logcumsumexp(mu.gather(1, order), 1).exp() - mu.gather(1, order).exp()
+        kept = torch.zeros_like(mu, dtype=torch.bool).scatter_(1, order, before < top_p)
+    cut_mu = mu.masked_fill(~kept, float("-inf"))
+    return cut_mu - torch.logsumexp(cut_mu, 1, keepdim=True)
+
+
 @st.composite
 def llm_cases(draw, *, max_vocab: int = 48, max_rows: int = 6, regimes: tuple[str, ...] = REGIMES,
-              conventions: tuple[str, ...] = ("union", "kslot")) -> Case:
+              conventions: tuple[str, ...] = ("union", "kslot"), cuts: tuple[str, ...] = CUTS) -> Case:
     """Hypothesis strategy of LLM-like cases (module docstring). μ and π each draw a regime, so a
-    deep tail or a near-certain token can sit on one side only, as in a real mismatch."""
+    deep tail or a near-certain token can sit on one side only, as in a real mismatch. μ may then
+    be cut by the engine's top-k or top-p (``cuts``): cut tokens are −inf in μ (never the sampled
+    one) and keep their probability under π, so they can sit inside S (K beyond the kept tokens,
+    ties among them to the lower id) or in the tail (μ_T may be exactly 0)."""
     n = draw(st.integers(2, max_vocab))
     rows = draw(st.integers(1, max_rows))
     k = draw(st.integers(1, n))
@@ -100,15 +122,20 @@ def llm_cases(draw, *, max_vocab: int = 48, max_rows: int = 6, regimes: tuple[st
     z_pi = _logits(pi_regime, rows, n, gen, k) if pi_regime != mu_regime else z_mu + noise * torch.randn(
         rows, n, generator=gen, dtype=torch.float64)
     mu, pi = torch.log_softmax(z_mu, -1), torch.log_softmax(z_pi, -1)
+    cut = draw(st.sampled_from(cuts))
+    if cut != "none":
+        mu = _cut(mu, cut, draw(st.integers(1, n)), draw(st.sampled_from((0.5, 0.9, 0.99))))
     probs = torch.exp(mu)
     sampled = torch.multinomial(probs, 1, generator=gen)[:, 0]
-    if draw(st.booleans()) and k < n:  # force k outside μ's top-K (a positive-probability token)
+    if draw(st.booleans()) and k < n:  # force k outside μ's top-K (μ's least likely token not cut)
         order = torch.argsort(-mu, dim=1, stable=True)
-        sampled = order[:, -1]
+        last_kept = torch.isfinite(mu).sum(1) - 1
+        sampled = order[torch.arange(rows), last_kept]
     advantages = torch.tensor(draw(st.lists(st.sampled_from((-1.0, 0.0, 1.0)), min_size=rows, max_size=rows)),
                               dtype=torch.float64)
     convention = draw(st.sampled_from(conventions))
-    return Case(mu, pi, sampled, advantages, k, convention, f"{mu_regime}/{pi_regime}")
+    regime = f"{mu_regime}/{pi_regime}" + ("" if cut == "none" else f"/{cut}")
+    return Case(mu, pi, sampled, advantages, k, convention, regime)
 
 
 # --- the oracle ---------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ import mpmath
 import pytest
 import torch
 
-from pdm_lab.testing import (check_divergence, check_mask, llm_cases, oracle_row, oracle_support, pdm_lab_divergence,
-                             pdm_lab_mask)
+from pdm_lab.testing import (check_divergence, check_mask, llm_cases, oracle, oracle_row, oracle_support,
+                             pdm_lab_divergence, pdm_lab_mask)
 
 
 def user_topk_kl_one_minus_sum(mu_logp, pi_logp, sampled, k, convention):
@@ -57,8 +57,9 @@ def test_pdm_lab_masks_pass_the_kit(rule):
 
 
 def test_kit_catches_one_minus_sum_tails():
-    # no exact ties: the user's torch.topk may order ties differently; the failure is the tails
-    cases = llm_cases(regimes=("peaked", "flat", "near_certain", "deep_tail"))
+    # no exact ties (nor the engine's cuts, ties at −inf): the user's torch.topk may order ties
+    # differently; the failure is the tails
+    cases = llm_cases(regimes=("peaked", "flat", "near_certain", "deep_tail"), cuts=("none",))
     with pytest.raises(AssertionError, match="topk_kl of token"):
         check_divergence(user_topk_kl_one_minus_sum, "topk_kl", max_examples=60, cases=cases)
 
@@ -75,3 +76,72 @@ def test_the_bug_on_one_case_by_hand():
     assert float(ours[0]) == pytest.approx(float(true), rel=1e-9)
     assert abs(float(theirs[0]) - float(true)) > 0.05  # μ_T·log(1e-40/1e-8) ≈ 0.074 lost
     assert n == mu.shape[1] and mpmath.mpf(true) > 0
+
+
+# --- tokens cut by the engine's top-k / top-p: −inf in μ (SPEC §8), legal input -----------------
+
+def user_topk_kl_naive_zeros(mu_logp, pi_logp, sampled, k, convention):
+    """Exact tails (log-sum-exp), but the KL terms as μ·(log μ − log π): 0·(−inf) = NaN for a
+    token the engine cut when it lands in S (K beyond the kept tokens)."""
+    from pdm_lab import support_from_full
+
+    support = support_from_full(mu_logp, sampled, k=k, convention=convention)
+    n, valid = mu_logp.shape[1], support.valid
+    ids = torch.where(valid, support.ids.long(), n)  # padding → a spare column n, never a real id
+    mu, pi = mu_logp.gather(1, ids.clamp(max=n - 1)), pi_logp.gather(1, ids.clamp(max=n - 1))
+    head = torch.where(valid, mu.exp() * (mu - pi), torch.zeros_like(mu)).sum(-1)
+    outside = torch.ones(len(ids), n + 1, dtype=torch.bool).scatter(1, ids, False)[:, :n]
+    mu_t = torch.logsumexp(mu_logp.masked_fill(~outside, float("-inf")), -1)
+    pi_t = torch.logsumexp(pi_logp.masked_fill(~outside, float("-inf")), -1)
+    return head + torch.where(torch.isfinite(mu_t), mu_t.exp() * (mu_t - pi_t), torch.zeros_like(mu_t))
+
+
+def test_cases_hold_cut_tokens_in_both_places_and_conventions():
+    from hypothesis import find
+
+    def rows(case):  # (μ row, its support S) per token
+        return [(case.mu_logp[i].tolist(), oracle_support(case.mu_logp[i].tolist(), int(case.sampled[i]), case.k,
+                                                          case.convention)) for i in range(len(case.sampled))]
+
+    def cut_inside(case):  # a cut token in S (K beyond the kept tokens)
+        return any(math.isinf(mu[j]) for mu, support in rows(case) for j in support)
+
+    def tail_all_cut(case):  # a non-empty tail the engine cut whole: μ_T = 0 exactly, π_T > 0
+        return any(len(support) < len(mu) and all(math.isinf(mu[j]) for j in range(len(mu)) if j not in support)
+                   for mu, support in rows(case))
+
+    for convention in ("union", "kslot"):
+        for cut in ("top_k", "top_p"):
+            cases = llm_cases(cuts=(cut,), conventions=(convention,))
+            inside = find(cases, cut_inside)
+            assert inside.convention == convention and cut in inside.regime
+            assert all(math.isfinite(inside.mu_logp[i, inside.sampled[i]]) for i in range(len(inside.sampled)))
+            assert torch.isfinite(inside.pi_logp).all()  # π (the trainer's) is never cut
+        find(llm_cases(cuts=("top_k",), conventions=(convention,)), tail_all_cut)
+
+
+def test_oracle_hand_values_with_cut_tokens():
+    mu = [math.log(0.6), math.log(0.4), -math.inf, -math.inf]
+    pi = [math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]
+    inside = oracle_row(mu, pi, sampled=0, k=3, convention="union")  # S = {0, 1, 2}: token 2 cut, tail {3}
+    want = 0.6 * math.log(0.6 / 0.5) + 0.4 * math.log(0.4 / 0.3)  # cut tokens add 0 (μ_i = 0, μ_T = 0)
+    assert float(inside["topk_kl"]) == pytest.approx(want, rel=1e-14)
+    assert float(inside["topk_tv"]) == pytest.approx((0.1 + 0.1 + 0.15 + 0.05) / 2, rel=1e-14)
+    # Ḋ_topk: (π_k − μ_k) + Σ_S π_i(μ_i − π_i) + (μ_T/π_T − 1)·Σ_T π_i² with μ_T = 0
+    ddot = (0.5 - 0.6) + 0.5 * 0.1 + 0.3 * 0.1 + 0.15 * -0.15 - 0.05 ** 2
+    assert float(inside["ddot_topk"]) == pytest.approx(ddot, rel=1e-12)
+    assert oracle_support(mu, sampled=1, k=3, convention="kslot") == [0, 1, 2]  # ties among −inf: lower id
+
+
+def test_pdm_lab_passes_the_kit_on_cut_tokens():
+    cases = llm_cases(cuts=("top_k", "top_p"))
+    for divergence in ("topk_kl", "topk_tv", "binary_kl"):
+        check_divergence(pdm_lab_divergence(divergence), divergence, max_examples=15, cases=cases)
+    check_mask(pdm_lab_mask("pdm_topk"), "pdm_topk", delta=0.15, max_examples=15, cases=cases)
+
+
+def test_kit_catches_nan_from_cut_tokens_in_the_support():
+    user = user_topk_kl_naive_zeros
+    check_divergence(user, "topk_kl", max_examples=20, cases=llm_cases(cuts=("none",)))  # right without cuts
+    with pytest.raises(AssertionError, match=r"got nan"):
+        check_divergence(user, "topk_kl", max_examples=40, cases=llm_cases(cuts=("top_k", "top_p")))
