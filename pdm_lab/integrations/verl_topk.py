@@ -11,14 +11,14 @@ each small and checked against verl's own utilities:
    of a completion is the distribution that produced response token t), the sampled token re-
    picked by id (vLLM adds it as a (K+1)-th entry when it is outside the top-K). These ride in
    the batch as ``rollout_topk_ids``/``rollout_topk_logp`` beside verl's ``rollout_log_probs``.
-3. ``topk_policy_loss(config, logits, data, temperature)`` — the actor side: the model's
-   no-padding logits [nnz, V] are cut to the response positions with verl's
-   ``no_padding_2_padding`` (the same left shift verl applies to log-probs), then π on the support
-   through the chunked gather and ``pdm_policy_loss``'s per-token surrogate, aggregated with
-   verl's ``agg_loss``.
+3. ``topk_policy_loss(config, logits, data, temperature)`` — the actor side: the support's ids
+   go to the row of the model's no-padding logits [nnz, V] that predicts each response token
+   (found with verl's ``no_padding_2_padding``, the same left shift verl applies to log-probs),
+   then π on the support through the chunked gather on those rows (no [B, T, V] copy) and
+   ``pdm_policy_loss``'s per-token surrogate, aggregated with verl's ``agg_loss``.
 
-Wiring 1–3 into verl's agent loop and actor is the versioned patch set's job; this module holds
-the parts whose numerics matter and the tests run them through verl's utilities.
+Wiring 1–3 into verl's server, agent loop and actor is ``pdm_lab.integrations.verl_patches``
+(the versioned patch set); this module holds the parts whose numerics matter.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from torch import Tensor
 from ..loss import token_surrogate
 from ..masks import compute_mask
 from ..metrics import step_metrics
-from ..policy_side import policy_on_support
+from ..policy_side import PolicyOnSupport, policy_on_support
 from ..stats import token_stats
 from ..support import support_from_topk
 from .versions import require_version
@@ -77,29 +77,81 @@ def topk_from_vllm(position_logprobs: list[list[dict[int, Any]]], responses: Ten
     return ids, logp, mu_k
 
 
+def topk_rules() -> tuple[str, ...]:
+    """Registered rules that read μ's top-K support and nothing the stage must add (``needs``)."""
+    from ..masks import MASK_RULES
+
+    return tuple(name for name, rec in MASK_RULES.items() if rec.uses_support and not rec.needs)
+
+
+def pad_topk(ids: Any, logp: Any, length: int, k: int) -> tuple[Tensor, Tensor]:
+    """[T', K] top-K of one response (the server's arrays) → [1, length, K] ids (−1 pad) and
+    log μ (−inf pad): verl's agent loop pads ``rollout_log_probs`` the same way (right, to the
+    configured response length, truncating a longer one)."""
+    ids_t = torch.as_tensor(ids, dtype=torch.long).reshape(-1, k)[:length]
+    logp_t = torch.as_tensor(logp, dtype=torch.float32).reshape(-1, k)[:length]
+    out_ids = torch.full((1, length, k), -1, dtype=torch.long)
+    out_logp = torch.full((1, length, k), -math.inf, dtype=torch.float32)
+    out_ids[0, : ids_t.shape[0]] = ids_t
+    out_logp[0, : logp_t.shape[0]] = logp_t
+    return out_ids, out_logp
+
+
+def _response_rows(data: Any, nnz: int) -> tuple[Tensor, Tensor]:
+    """[B, T] row of the no-padding logits that predicts each response token, and [B, T] bool
+    (False at padding), both from verl's own ``no_padding_2_padding`` (its left shift by one)."""
+    rows = no_padding_2_padding(torch.arange(nnz), data)
+    valid = no_padding_2_padding(torch.ones(nnz, dtype=torch.bool), data)
+    return rows, valid
+
+
 def topk_policy_loss(config: Any, logits: Tensor, data: Any, *, rule: str, temperature: float = 1.0,
                      loss_agg_mode: str = "token-mean") -> tuple[Tensor, dict[str, float]]:
     """pdm_lab's loss on μ's top-K for a verl batch.
 
     Args:
         config: verl actor config (``policy_loss.mask``, ``global_batch_info``), or None.
-        logits: [nnz, V] the actor's logits in verl's no-padding layout (grad flows).
+        logits: [nnz, V] the actor's logits in verl's no-padding layout (grad flows), before the
+            division by the rollout temperature.
         data: verl TensorDict with ``prompts``, ``responses``, ``attention_mask``,
             ``response_mask``, ``advantages``, ``rollout_log_probs`` and ``TOPK_KEYS`` ([B, T, K]).
         rule: the mask rule; temperature: the rollout's.
+
+    π on the support is computed on the logits' own rows (the support's ids scattered to the row
+    that predicts each response token, −1 elsewhere), chunked: no [B, T, V] copy of the logits.
     """
     cfg = mask_config(config, rule)
-    per_position = no_padding_2_padding(logits, data)  # [B, T, V], response-aligned (left shift)
-    b, t, v = per_position.shape
-    resp = data["response_mask"].bool()
-    flat = resp.reshape(-1)
+    rows, valid = _response_rows(data, logits.shape[0])
+    b, t = rows.shape
+    v = logits.shape[1]
+    resp = data["response_mask"].bool() & valid
+    flat, valid_flat = resp.reshape(-1), valid.reshape(-1)
+    topk_ids, topk_logp = (data[key] for key in TOPK_KEYS)
+    if topk_ids.is_nested:  # micro-batches may carry response fields as jagged tensors
+        topk_ids, topk_logp = topk_ids.to_padded_tensor(-1), topk_logp.to_padded_tensor(-math.inf)
+    topk_ids, topk_logp = topk_ids[:, :t], topk_logp[:, :t]
+    if topk_ids.shape[:2] != (b, t):
+        raise ValueError(f"{TOPK_KEYS[0]}: shape {tuple(topk_ids.shape)} does not cover the [B, T] = [{b}, {t}] "
+                         "responses (was it padded to the rollout's response length?)")
     support = support_from_topk(
-        data["rollout_topk_ids"].reshape(b * t, -1), data["rollout_topk_logp"].reshape(b * t, -1),
+        topk_ids.reshape(b * t, -1), topk_logp.reshape(b * t, -1),
         data["responses"].reshape(-1), data["rollout_log_probs"].reshape(-1).float(), vocab_size=v,
         k=cfg.k, convention=cfg.convention, row_mask=flat)
-    pi = policy_on_support(per_position.reshape(b * t, v), support.ids, temperature=temperature)
+    row_of = rows.reshape(-1)[valid_flat]
+    ids_rows = torch.full((logits.shape[0], support.ids.shape[1]), -1, dtype=support.ids.dtype, device=logits.device)
+    ids_rows[row_of] = support.ids[valid_flat]
+    on_rows = policy_on_support(logits, ids_rows, temperature=temperature)
+    # back to [B·T]; padding positions (no logits row) take π := μ: zero divergence, masked anyway
+    dtype = on_rows.logp.dtype
+    logp = support.mu_logp.to(dtype).clone()
+    logp[valid_flat] = on_rows.logp[row_of]
+    tail = support.mu_tail_logp.to(dtype).clone()
+    tail[valid_flat] = on_rows.tail_logp[row_of]
+    sumsq = 2 * support.mu_tail_logp.to(dtype)
+    sumsq[valid_flat] = on_rows.tail_log_sumsq[row_of]
+    pi = PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq)
     stats = token_stats(support, pi)
-    adv = torch.where(flat, data["advantages"].reshape(-1).to(pi.logp.dtype), torch.zeros_like(flat, dtype=pi.logp.dtype))
+    adv = torch.where(flat, data["advantages"].reshape(-1).to(dtype), torch.zeros_like(flat, dtype=dtype))
     keep = compute_mask(cfg, stats, adv, resp)
     logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
     per_token = token_surrogate(logp_k, support.mu_logp_k.to(logp_k.dtype), adv, keep, cfg.clip_ratio_c)
