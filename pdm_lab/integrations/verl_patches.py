@@ -140,7 +140,7 @@ TARGETS: tuple[Target, ...] = (
             "input.extra_fields", "return DataProto( batch=batch,"),
            "wrapped: concatenates the padded top-K into the batch"),
     Target("verl.experimental.agent_loop.single_turn_agent_loop", "SingleTurnAgentLoop.run",
-           ("self", "sampling_params", "kwargs"),
+           ("self", "sampling_params", "priority", "kwargs"),
            ("extra_fields=output.extra_fields",),
            "relied on: the server's extra_fields reach AgentLoopOutput.extra_fields"),
     Target(ENGINE, "FSDPEngineWithLMHead.prepare_model_outputs",
