@@ -12,8 +12,9 @@ from the sampled token's log-probs (``sampled_token_rules()``) through verl's pu
 
 verl 0.9.1's ``apply_bypass_mode`` overwrites ``loss_mode`` with its own ``bypass_mode`` loss;
 ``patch_bypass_mode()`` (applied on import, version-checked) keeps a ``pdm_lab.*`` loss_mode
-while still substituting the rollout log-probs. Top-K rules need the top-K data path
-(``pdm_lab.integrations.verl_topk``).
+while still substituting the rollout log-probs. Top-K rules need μ's top-K carried from the
+rollout: with ``PDM_LAB_VERL_TOPK=K`` in every verl process, this module also applies the
+versioned runtime patch set (``pdm_lab.integrations.verl_patches``), which registers them.
 """
 from __future__ import annotations
 
@@ -133,5 +134,12 @@ def patch_bypass_mode() -> bool:
     return True
 
 
+#: Environment variable: K of μ's top-K; when set, importing this plugin applies the top-K patch set.
+TOPK_ENV = "PDM_LAB_VERL_TOPK"
+
 LOSS_MODES = register_all()
 patch_bypass_mode()
+if __import__("os").environ.get(TOPK_ENV, "").strip():
+    from .verl_patches import apply_from_env  # noqa: E402  (imports this module's names above)
+
+    apply_from_env()
