@@ -1,5 +1,6 @@
 """``pdm-lab promote --target trl|verl``: the launch file carries the winning cell's mask, the run's
-settings and the provenance; it parses as Python / bash; top-K rules are refused for verl."""
+settings and the provenance; it parses as Python / bash; verl top-K rules turn on the top-K patch set,
+and rules verl cannot feed are refused."""
 from __future__ import annotations
 
 import ast
@@ -68,8 +69,23 @@ def test_verl_target_writes_a_bash_script_with_the_plugin_loss(tmp_path):
     assert MaskConfig(rule="dppo_binary_kl", **section) == MaskConfig(rule="dppo_binary_kl", delta=0.1)
 
 
-def test_verl_target_refuses_top_k_rules(tmp_path, capsys):
+def test_verl_target_turns_on_the_top_k_patch_set_for_top_k_rules(tmp_path):
     sweep = _sweep(tmp_path, "pdm_uniform")
     out = tmp_path / "launch_verl.sh"
+    assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out), "--target", "verl"]) == 0
+    text = out.read_text()
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+    assert "\nexport PDM_LAB_VERL_TOPK=20\n" in text and "loss_mode=pdm_lab.pdm_uniform" in text
+    overrides = verl_overrides(load_config(Path(str(out) + ".pdm.yaml")))
+    assert '+ray_kwargs.ray_init.runtime_env.env_vars.PDM_LAB_VERL_TOPK="20"' in overrides
+    assert "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs" in overrides
+    assert not any("max_logprobs" in o for o in overrides)  # K = 20 is within vLLM's default cap
+    mask_arg = next(a for a in overrides if a.startswith("+actor_rollout_ref.actor.policy_loss.mask="))
+    assert json.loads(mask_arg.split("=", 1)[1])["k"] == 20
+
+
+def test_verl_target_refuses_rules_verl_cannot_feed(tmp_path, capsys):
+    sweep = _sweep(tmp_path, "pdm_exact")  # needs the full distributions
+    out = tmp_path / "launch_verl.sh"
     assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out), "--target", "verl"]) != 0
-    assert "top-K" in capsys.readouterr().err and not out.exists()
+    assert "full" in capsys.readouterr().err and not out.exists()

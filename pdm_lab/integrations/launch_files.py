@@ -7,8 +7,11 @@ trainer sections, the winning ``mask:`` and its ``provenance:``). Output:
   model, data, group size, temperature, lengths and learning rate;
 * ``verl`` — a bash script calling ``python -m verl.trainer.main_ppo`` with the plugin's loss
   (``pdm_lab.<rule>``, bypass mode) and the same settings as Hydra overrides. Rules that need
-  μ's top-K (``uses_support``) are refused here: they need the top-K patch set
-  (``pdm_lab.integrations.verl_topk``), which a plain verl launch does not apply.
+  μ's top-K (``uses_support``) also turn on the top-K runtime patch set
+  (``pdm_lab.integrations.verl_patches``): ``PDM_LAB_VERL_TOPK=K`` exported for a local Ray
+  cluster and passed to every Ray worker through ``ray_kwargs.ray_init.runtime_env``, with
+  processed log-probs (and vLLM's ``max_logprobs`` when K > 20). Rules that need inputs verl
+  cannot give (``needs``: full distributions, the coupled direction) are refused.
 
 Both carry the provenance (sweep, cell, criterion, metrics, code version) as a header comment
 and as data, so a run can be traced back to the toy result that chose it.
@@ -25,6 +28,10 @@ from ..config import MaskConfig, to_dict
 from ..masks import MASK_RULES
 
 TARGETS = ("pdm", "trl", "verl")
+#: The environment variable that turns on verl's top-K patch set in every process (value: K).
+VERL_TOPK_ENV = "PDM_LAB_VERL_TOPK"
+#: vLLM's default cap on ``logprobs`` per request.
+VLLM_MAX_LOGPROBS = 20
 
 
 def _header(cfg: Any, comment: str) -> str:
@@ -91,9 +98,9 @@ def verl_overrides(cfg: Any) -> list[str]:
     """Hydra overrides for ``verl.trainer.main_ppo`` (verl 0.9.1 names) for run config `cfg`."""
     mask: MaskConfig = cfg.mask
     record = MASK_RULES[mask.rule]
-    if record.uses_support:
-        raise ValueError(f"promote --target verl: rule {mask.rule!r} reads μ's top-K; the verl plugin carries "
-                         "sampled-token rules only (top-K needs pdm_lab.integrations.verl_topk's patches)")
+    if record.needs:
+        raise ValueError(f"promote --target verl: rule {mask.rule!r} needs {', '.join(record.needs)} inputs, which "
+                         "verl's rollout cannot give (its top-K patch set carries μ's top-K only)")
     section = {k: v for k, v in to_dict(mask).items() if k != "rule"}
     ro, tr = cfg.rollout, cfg.trainer
     agg = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
@@ -126,16 +133,26 @@ def verl_overrides(cfg: Any) -> list[str]:
     ]
     if mask.horizon is not None:
         out.append(f"actor_rollout_ref.actor.loss_scale_factor={mask.horizon}")
+    if record.uses_support:  # μ's top-K from the rollout: pdm_lab.integrations.verl_patches
+        out += [f'+ray_kwargs.ray_init.runtime_env.env_vars.{VERL_TOPK_ENV}="{mask.k}"',
+                "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs"]
+        if mask.k > VLLM_MAX_LOGPROBS:
+            out.append(f"+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs={mask.k}")
     return out
 
 
 def verl_script(cfg: Any) -> str:
     """A runnable bash script launching verl with pdm_lab's plugin loss for run config `cfg`."""
     args = " \\\n    ".join(shlex.quote(o) for o in verl_overrides(cfg))
+    topk = ""
+    if MASK_RULES[cfg.mask.rule].uses_support:
+        topk = (f"# {cfg.mask.rule} reads μ's top-K: pdm_lab's verl top-K patch set (verl_patches) carries it from\n"
+                f"# vLLM to the actor; it is applied in every process where {VERL_TOPK_ENV} is set.\n"
+                f"export {VERL_TOPK_ENV}={cfg.mask.k}\n")
     return f'''#!/usr/bin/env bash
 {_header(cfg, "#")}# Run: pip install 'pdm_lab[verl]' (the plugin registers through verl.plugins); then this file.
 set -euo pipefail
-python -m verl.trainer.main_ppo \\
+{topk}python -m verl.trainer.main_ppo \\
     {args} \\
     "$@"
 '''

@@ -29,6 +29,7 @@ from ..loss import token_surrogate
 from ..masks import compute_mask
 from ..metrics import step_metrics
 from ..stats import token_stats
+from .launch_files import VERL_TOPK_ENV
 from .sampled_token import sampled_token_rules, sampled_token_view
 from .versions import require_version
 
@@ -135,7 +136,7 @@ def patch_bypass_mode() -> bool:
 
 
 #: Environment variable: K of μ's top-K; when set, importing this plugin applies the top-K patch set.
-TOPK_ENV = "PDM_LAB_VERL_TOPK"
+TOPK_ENV = VERL_TOPK_ENV
 
 LOSS_MODES = register_all()
 patch_bypass_mode()

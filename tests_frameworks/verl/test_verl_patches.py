@@ -273,9 +273,10 @@ def _engine(model, monkeypatch):
     return engine
 
 
-@pytest.mark.parametrize("rule", ["pdm_topk", "seq_topk_kl"])
-def test_verls_actor_step_computes_pdm_policy_loss(rule, patches, monkeypatch):
+@pytest.mark.parametrize("rule, delta", [("pdm_topk", 0.02), ("seq_topk_kl", 0.05)])
+def test_verls_actor_step_computes_pdm_policy_loss(rule, delta, patches, monkeypatch):
     temperature = 0.75  # exact in float32, the precision verl keeps the temperature in
+    mask = {**SECTION, "delta": delta, "band_high": delta}  # δ for pdm_topk, the band for seq_topk_kl
     model = _tiny_qwen3()
     batch, prompt_lens, resp_lens = _rollout_batch(model, temperature)
     micro = _micro_batch(batch, temperature)
@@ -283,7 +284,7 @@ def test_verls_actor_step_computes_pdm_policy_loss(rule, patches, monkeypatch):
     seen = {}
     hook = model.register_forward_hook(lambda m, a, out: seen.update(logits=out.logits))  # None: output kept
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode="token-mean",
-                         policy_loss=PDMPolicyLossConfig(loss_mode=f"pdm_lab.{rule}", mask=dict(SECTION)))
+                         policy_loss=PDMPolicyLossConfig(loss_mode=f"pdm_lab.{rule}", mask=mask))
     loss_fn = partial(verl_losses.ppo_loss, config=config)  # what verl's actor worker builds
     loss, output = engine.forward_step(micro, loss_function=loss_fn, forward_only=False)
     hook.remove()
@@ -303,7 +304,7 @@ def test_verls_actor_step_computes_pdm_policy_loss(rule, patches, monkeypatch):
                                 batch.batch["responses"].reshape(-1), batch.batch["rollout_log_probs"].reshape(-1),
                                 vocab_size=V, k=K, row_mask=resp.reshape(-1))
     pi = policy_on_support(logits[rows.reshape(-1)], support.ids, temperature=temperature)
-    ref = pdm_policy_loss(pi, support, batch.batch["advantages"].double(), resp, MaskConfig(rule=rule, **SECTION))
+    ref = pdm_policy_loss(pi, support, batch.batch["advantages"].double(), resp, MaskConfig(rule=rule, **mask))
     ref_grads = torch.autograd.grad(ref.loss, params)
     assert torch.allclose(loss.detach(), ref.loss.detach(), rtol=1e-10, atol=1e-12), (float(loss), float(ref.loss))
     for g, r in zip(grads, ref_grads):
@@ -311,6 +312,7 @@ def test_verls_actor_step_computes_pdm_policy_loss(rule, patches, monkeypatch):
     metrics = output["metrics"]
     dropped = metrics["actor/pdm/mask/frac_dropped"].aggregate()  # verl wraps the loss's metrics
     assert dropped == pytest.approx(float(ref.metrics["mask/frac_dropped"]))
+    assert 0 < dropped < 1, dropped  # the mask keeps some tokens and drops others: both paths matter
     assert 0 < float(ref.metrics["div/topk_kl_mean"])  # a real mismatch, so the mask has work to do
 
 
