@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 
-from ..config import MaskConfig, from_dict
 from ..loss import token_surrogate
 from ..masks import compute_mask
 from ..metrics import step_metrics
 from ..stats import token_stats
-from .launch_files import VERL_TOPK_ENV
 from .sampled_token import sampled_token_rules, sampled_token_view
+from .verl_config import LOSS_PREFIX, TOPK_ENV, mask_config  # noqa: F401  (re-exported)
 from .versions import require_version
 
 VERL_VERSION = require_version("verl")
@@ -38,7 +37,6 @@ VERL_VERSION = require_version("verl")
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
 
-LOSS_PREFIX = "pdm_lab."
 
 
 @dataclasses.dataclass
@@ -50,19 +48,6 @@ class PDMPolicyLossConfig(PolicyLossConfig):
     """
 
     mask: dict = dataclasses.field(default_factory=dict)
-
-
-def mask_config(config: Any, rule: str) -> MaskConfig:
-    """The ``MaskConfig`` of `rule` from a verl actor config's ``policy_loss.mask`` section."""
-    section = {}
-    policy_loss = getattr(config, "policy_loss", None)
-    if policy_loss is not None:
-        raw = policy_loss.get("mask", None) if hasattr(policy_loss, "get") else getattr(policy_loss, "mask", None)
-        section = dict(raw or {})
-    if "rule" in section and section["rule"] != rule:
-        raise ValueError(f"policy_loss.mask.rule={section['rule']!r} contradicts loss_mode {LOSS_PREFIX}{rule}")
-    section["rule"] = rule
-    return from_dict(MaskConfig, section, where="policy_loss.mask")
 
 
 def _global_batch_info(config: Any) -> dict:
@@ -135,12 +120,9 @@ def patch_bypass_mode() -> bool:
     return True
 
 
-#: Environment variable: K of μ's top-K; when set, importing this plugin applies the top-K patch set.
-TOPK_ENV = VERL_TOPK_ENV
-
 LOSS_MODES = register_all()
 patch_bypass_mode()
 if __import__("os").environ.get(TOPK_ENV, "").strip():
-    from .verl_patches import apply_from_env  # noqa: E402  (imports this module's names above)
+    from .verl_patches import apply_from_env  # noqa: E402
 
     apply_from_env()

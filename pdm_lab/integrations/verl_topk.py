@@ -41,7 +41,7 @@ VERL_VERSION = require_version("verl")
 from verl.trainer.ppo.core_algos import agg_loss  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
-from .verl import mask_config  # noqa: E402
+from .verl_config import mask_config  # noqa: E402
 
 TOPK_KEYS = ("rollout_topk_ids", "rollout_topk_logp")
 
