@@ -23,7 +23,8 @@ point imports ``pdm_lab.integrations.verl`` on ``import verl`` in each worker, w
 ``+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=K`` (vLLM's default cap is 20).
 
 Patched targets (``TARGETS``; ``check_targets`` verifies each one's parameters and the source
-lines the patch relies on before anything is patched, so a verl upgrade fails at ``apply``):
+lines the patch relies on, and that each replaced module global has no other user, before
+anything is patched, so a verl upgrade fails at ``apply``):
 
 1. ``vllm_async_server.SamplingParams`` (module global, used by ``vLLMHttpServer.generate``):
    a request verl builds with ``logprobs=0`` asks for ``logprobs=K`` instead. vLLM then returns
@@ -236,9 +237,37 @@ def target_problem(target: Target) -> str | None:
     return None
 
 
+#: Module globals the patch set replaces, and the one function allowed to use each (replacing a
+#: global changes every user in its module: there must be no other).
+REPLACED_GLOBALS = {(SERVER, "SamplingParams"): "vLLMHttpServer.generate",
+                    (SERVER, "extract_prompt_logprobs"): "vLLMHttpServer.generate",
+                    (ENGINE, "logprobs_from_logits"): "FSDPEngineWithLMHead.prepare_model_outputs"}
+
+
+def global_problem(module: str, name: str, user: str) -> str | None:
+    """Why replacing global `name` of `module` could reach beyond `user` (None if it cannot):
+    every load of the name outside the import must sit inside `user`."""
+    path = _module_file(module)
+    if path is None:
+        return f"{module}: module not found"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    inside = _node(tree, user)
+    allowed = {id(n) for n in ast.walk(inside)} if inside is not None else set()
+    loads = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+    if not loads:
+        return f"{module}.{name}: no longer used"
+    stray = [n.lineno for n in loads if id(n) not in allowed]
+    if stray:
+        return f"{module}.{name}: also used outside {user} (line {stray[0]}); replacing it would change that too"
+    return None
+
+
 def check_targets(targets: tuple[Target, ...] = TARGETS) -> None:
     """Raise ``PatchTargetError`` listing every target that differs from verl 0.9.1's."""
     problems = [p for p in (target_problem(t) for t in targets) if p]
+    modules = {t.module for t in targets}
+    problems += [p for (module, name), user in REPLACED_GLOBALS.items() if module in modules
+                 for p in [global_problem(module, name, user)] if p]
     if problems:
         raise PatchTargetError(
             f"pdm_lab's verl top-K patch set was written for verl 0.9.1 (installed {VERL_VERSION}); "

@@ -79,6 +79,10 @@ def test_planted_source_change_in_an_unimported_module_is_found():
     assert "expected" in vp.target_problem(renamed)
     with pytest.raises(vp.PatchTargetError, match="written for verl 0.9.1"):
         vp.check_targets((server, changed))
+    # a replaced module global must have no user but the patched function
+    assert all(vp.global_problem(m, name, user) is None for (m, name), user in vp.REPLACED_GLOBALS.items())
+    wrong_user = vp.global_problem(vp.ENGINE, "logprobs_from_logits", "FSDPEngineWithLMHead.forward_step")
+    assert "also used outside" in wrong_user
 
 
 def test_apply_is_idempotent_and_reversible():
