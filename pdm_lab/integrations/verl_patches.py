@@ -59,9 +59,12 @@ KL loss and metric aggregation stay verl's), and it runs ``verl_topk.topk_policy
 kept logits: the support from the batch's top-K, π on it through the chunked gather, and the
 core's stats, mask and surrogate, aggregated with verl's ``agg_loss``.
 
-Limits (refused with a message, not silently wrong): FSDP engine only (not Megatron), remove-
-padding on, no fused kernels, no Ulysses sequence parallelism, single-turn agent loop, no
-rollout IS weights, no top-K distillation in the same run. Modules a process never imports
+Limits (refused with a message, not silently wrong): FSDP engine only (elsewhere the loss finds
+no kept logits and says so), remove-padding on, no fused kernels, no Ulysses sequence
+parallelism, one temperature per batch, single-turn agent loop, no rollout IS weights, no top-K
+distillation in the same run. Tested through the trainer's ``to_tensordict`` →
+``left_right_2_no_padding`` → micro-batch path on CPU; vLLM itself, a Ray cluster and the v1
+trainer's transfer queue are not exercised (tests_frameworks/verl). Modules a process never imports
 (the vLLM server in a trainer process, which has no vLLM) are patched when first imported.
 ``apply`` is idempotent; ``unapply`` (or the ``patched(k)`` context manager) restores everything.
 """
