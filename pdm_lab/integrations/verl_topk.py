@@ -97,11 +97,11 @@ def pad_topk(ids: Any, logp: Any, length: int, k: int) -> tuple[Tensor, Tensor]:
     return out_ids, out_logp
 
 
-def _response_rows(data: Any, nnz: int) -> tuple[Tensor, Tensor]:
+def _response_rows(data: Any, nnz: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """[B, T] row of the no-padding logits that predicts each response token, and [B, T] bool
     (False at padding), both from verl's own ``no_padding_2_padding`` (its left shift by one)."""
-    rows = no_padding_2_padding(torch.arange(nnz), data)
-    valid = no_padding_2_padding(torch.ones(nnz, dtype=torch.bool), data)
+    rows = no_padding_2_padding(torch.arange(nnz, device=device), data)
+    valid = no_padding_2_padding(torch.ones(nnz, dtype=torch.bool, device=device), data)
     return rows, valid
 
 
@@ -121,7 +121,7 @@ def topk_policy_loss(config: Any, logits: Tensor, data: Any, *, rule: str, tempe
     that predicts each response token, −1 elsewhere), chunked: no [B, T, V] copy of the logits.
     """
     cfg = mask_config(config, rule)
-    rows, valid = _response_rows(data, logits.shape[0])
+    rows, valid = _response_rows(data, logits.shape[0], logits.device)
     b, t = rows.shape
     v = logits.shape[1]
     resp = data["response_mask"].bool() & valid
