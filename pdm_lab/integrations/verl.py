@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import torch
@@ -36,7 +37,6 @@ VERL_VERSION = require_version("verl")
 
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
-
 
 
 @dataclasses.dataclass
@@ -122,7 +122,7 @@ def patch_bypass_mode() -> bool:
 
 LOSS_MODES = register_all()
 patch_bypass_mode()
-if __import__("os").environ.get(TOPK_ENV, "").strip():
+if os.environ.get(TOPK_ENV, "").strip():  # the top-K patch set, K from the environment
     from .verl_patches import apply_from_env  # noqa: E402
 
     apply_from_env()
