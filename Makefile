@@ -42,12 +42,14 @@ $(TRL_VENV)/.installed: pyproject.toml constraints-trl.txt Makefile
 	$(TRL_VENV)/bin/python -m pip freeze --exclude-editable > $(TRL_VENV)/freeze-after.txt
 	touch $@
 
-# A user's verl environment (verl 0.9.1 needs transformers < 5.11: hence its own venv).
+# A user's verl environment (verl 0.9.1 needs transformers < 5.11: hence its own venv), with the
+# packages verl's agent loop imports but does not declare (the top-K patch set's tests run it).
+VERL_ROLLOUT_DEPS := cachetools fastapi uvicorn
 $(VERL_VENV)/.installed: pyproject.toml constraints-verl.txt Makefile
 	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VERL_VENV)/bin/python $(PIP_Q) $(TORCH)
-	$(VERL_VENV)/bin/python $(PIP_Q) -c constraints-verl.txt verl pytest
+	$(VERL_VENV)/bin/python $(PIP_Q) -c constraints-verl.txt verl pytest $(VERL_ROLLOUT_DEPS)
 	$(VERL_VENV)/bin/python -m pip freeze --exclude-editable > $(VERL_VENV)/freeze-before.txt
 	$(VERL_VENV)/bin/python $(PIP_Q) -e .
 	$(VERL_VENV)/bin/python -m pip freeze --exclude-editable > $(VERL_VENV)/freeze-after.txt
