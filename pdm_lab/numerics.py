@@ -59,5 +59,9 @@ def rest_logmass(logp: Tensor, tail_logp: Tensor, k_index: Tensor) -> Tensor:
 
 def _rest_logsumexp(logp: Tensor, tail_logp: Tensor, k_index: Tensor) -> Tensor:
     """log(Σ_{i∈S∖{k}} p_i + p_T) as a log-sum-exp, [N]."""
-    others = logp.scatter(1, k_index[:, None], float("-inf"))
+    if torch.compiler.is_compiling():  # a select fuses; inductor writes a scatter's copy first
+        col = torch.arange(logp.shape[1], device=logp.device)
+        others = torch.where(col[None, :] == k_index[:, None], float("-inf"), logp)
+    else:
+        others = logp.scatter(1, k_index[:, None], float("-inf"))
     return torch.logaddexp(torch.logsumexp(others, dim=-1), tail_logp)
