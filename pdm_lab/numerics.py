@@ -26,7 +26,7 @@ def xlogy_ratio(logp: Tensor, logq: Tensor, p: Tensor | None = None) -> Tensor:
     """
     p = torch.exp(logp) if p is None else p
     # p = 0 would give 0·(−inf − log q) = NaN; where p > 0 and q = 0 the +inf is the true value
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or p.requires_grad:  # (mul_ would lose what p's gradient needs)
         return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
     term = logp - logq  # eagerly: one temporary, multiplied in place (same values)
     return torch.where(p > 0, term.mul_(p), 0.0)
