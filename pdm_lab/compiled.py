@@ -3,16 +3,22 @@
 * ``torch.compile``: opt-in (compiling costs ~10–20 s once per process and needs a C++ compiler
   on CPU); ``PDM_LAB_COMPILE=1`` or ``compiled=True`` turns it on. Inductor fuses the ~20
   elementwise passes of a function into one loop over each row.
-* Eager, by row blocks (``row_blocks=True``): a function whose rows are independent runs over
-  blocks of `BLOCK_ROWS` rows, so that its temporaries stay in cache and each of its passes
-  reads cache instead of memory. Each row sees the same ops as in one whole-tensor call.
+* Eager, by row blocks (``row_blocks=True``, CPU tensors): a function whose rows are independent
+  runs over blocks of `BLOCK_ROWS` rows, so that its temporaries stay in cache and each of its
+  passes reads cache instead of memory. Each row sees the same ops as in one whole-tensor call.
+  With torch running T > 1 threads, T workers take the blocks in turn, each block on one thread:
+  a block's ~60 small ops then never wait for each other's threads (torch splits every op across
+  its threads and joins them after it; on a shared machine each join waits for a busy core).
 
 Tests check compiled == eager == one whole-tensor call.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -20,11 +26,11 @@ from torch import Tensor
 
 #: Rows per eager block: a [rows, 21] float32 temporary is ~5.5 MB, so the ~20 a function makes
 #: mostly stay in the last-level cache. Measured (``token_stats``, N = 10⁶, K = 20, one thread):
-#: 16k rows 1.53×, 64k rows 1.57×, one whole call 3.84× the one-pass reference. Fewer, larger
-#: blocks also mean fewer thread hand-offs, which cost a loaded machine dearly.
+#: 16k rows 1.53×, 64k rows 1.57×, one whole call 3.84× the one-pass reference.
 BLOCK_ROWS = 65536
 
 _CACHE: dict[tuple[Callable, bool], Callable] = {}
+_WORKER = threading.local()
 
 
 def compile_default() -> bool:
@@ -34,14 +40,36 @@ def compile_default() -> bool:
 
 def maybe_compiled(fn: Callable, compiled: bool | None, *, row_blocks: bool = False) -> Callable:
     """`fn`'s ``torch.compile(dynamic=True)`` twin (built once per process) when compiling; else
-    `fn` itself, or ``by_row_blocks(fn)`` with `row_blocks` when torch runs one thread: with more,
-    each block's small ops hand work between threads, and on a loaded 2-core machine those
-    hand-offs cost more than the cache saves (measured: ``token_stats`` 5× slower by blocks)."""
+    `fn` itself, or ``by_row_blocks(fn)`` with `row_blocks`."""
     if not (compile_default() if compiled is None else compiled):
-        return by_row_blocks(fn) if row_blocks and torch.get_num_threads() == 1 else fn
+        return by_row_blocks(fn) if row_blocks else fn
     if (fn, True) not in _CACHE:
         _CACHE[(fn, True)] = torch.compile(fn, dynamic=True)
+    # Not by row blocks: views at other storage offsets and the workers' thread count are guards
+    # that recompile the graph (5 compiles of the stats seen at N = 300k, K = 20).
     return _CACHE[(fn, True)]
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device):
+    """Run the enclosed CPU ops on one thread: for per-token [N] vectors (the mask, the loss, the
+    metrics), each op is ~1 ms of work, and splitting it across threads costs a fork/join per op
+    that, on a shared machine, waits for a busy core (measured at N = 10⁶, 2 threads, load 3–8:
+    the metrics 530–650 ms, one thread 64–125 ms). No-op off the CPU or on one thread already."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # this worker's own setting; the caller's threads keep theirs
+    _WORKER.active = True
 
 
 def by_row_blocks(fn: Callable, rows: int | None = None) -> Callable:
@@ -49,24 +77,43 @@ def by_row_blocks(fn: Callable, rows: int | None = None) -> Callable:
 
     `fn` must be row-independent: every Tensor argument is [N, ...] and is sliced by rows (other
     arguments pass through); it returns a dict of [N, ...] tensors, written into one output each,
-    plus optionally ``flags``: a bool tensor of any-row facts, OR-ed over the blocks.
+    plus optionally ``flags``: a bool tensor of any-row facts, OR-ed over the blocks. Tensors off
+    the CPU run in one call (an accelerator's kernels are launched, not run, here).
     """
     @functools.wraps(fn)
     def run(*args):
         block = BLOCK_ROWS if rows is None else rows
-        n = next(a.shape[0] for a in args if isinstance(a, Tensor))
-        if n <= block:
+        first = next(a for a in args if isinstance(a, Tensor))
+        n = first.shape[0]
+        if n <= block or first.device.type != "cpu":
             return fn(*args)
+        starts = range(0, n, block)
+        grad = torch.is_grad_enabled()
         out: dict[str, Tensor] = {}
-        for lo in range(0, n, block):
-            part = fn(*(a[lo:lo + block] if isinstance(a, Tensor) else a for a in args))
-            if not out:  # first block: allocate the outputs
-                out = {key: v.clone() if key == "flags" else v.new_empty((n, *v.shape[1:]))
-                       for key, v in part.items()}
-            for key, v in part.items():
-                if key == "flags":
-                    out[key] |= v
-                else:
+        lock = threading.Lock()
+
+        def part(lo: int) -> Tensor | None:
+            with torch.set_grad_enabled(grad):  # grad mode is per thread
+                got = fn(*(a[lo:lo + block] if isinstance(a, Tensor) else a for a in args))
+            with lock:
+                if not out:  # the first block done allocates the outputs
+                    out.update({key: v.new_empty((n, *v.shape[1:])) for key, v in got.items() if key != "flags"})
+            for key, v in got.items():
+                if key != "flags":
                     out[key][lo:lo + v.shape[0]] = v
+            return got.get("flags")
+
+        workers = min(torch.get_num_threads(), len(starts))
+        if workers == 1 or getattr(_WORKER, "active", False):
+            flags = list(map(part, starts))
+        else:  # a pool per call: no thread outlives it (a later fork stays safe); starting two costs µs
+            threads = torch.get_num_threads()
+            try:
+                with ThreadPoolExecutor(workers, initializer=_one_thread) as pool:
+                    flags = list(pool.map(part, starts))
+            finally:  # the workers' setting is also the default of threads started later: restore it
+                torch.set_num_threads(threads)
+        if flags[0] is not None:
+            out["flags"] = functools.reduce(torch.bitwise_or, flags)
         return out
     return run

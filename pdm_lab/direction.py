@@ -30,6 +30,8 @@ class TailView:
     tail_count: Tensor
     pi_tail_log_sumsq: Tensor
     exact_tail: Tensor | None = None
+    live: Tensor | None = None
+    """[N] bool (t > 0) ∧ (π_T > 0), where a tail term counts; None: computed where needed."""
 
 
 TailEstimator = Callable[[TailView], Tensor]
@@ -60,8 +62,13 @@ def get_ddot_estimator(name: str) -> TailEstimator:
 
 def _where_tail(view: TailView, value: Tensor) -> Tensor:
     # An empty tail (t = 0) or a tail π never visits contributes exactly 0 (SPEC §8).
-    live = (view.tail_count > 0) & (view.pi_tail > 0)
+    live = tail_live(view.tail_count, view.pi_tail) if view.live is None else view.live
     return torch.where(live, value, torch.zeros_like(value))
+
+
+def tail_live(tail_count: Tensor, pi_tail: Tensor) -> Tensor:
+    """[N] bool: the tail is non-empty and π visits it, so its term is not exactly 0."""
+    return (tail_count > 0) & (pi_tail > 0)
 
 
 @register_ddot_estimator("exact")
@@ -98,12 +105,14 @@ def tail_topk(view: TailView) -> Tensor:
 
 
 def ddot_head(mu_logp: Tensor, pi_logp: Tensor, k_index: Tensor, *, mu: Tensor | None = None,
-              pi: Tensor | None = None) -> Tensor:
-    """(π_k − μ_k) + Σ_{i∈S} π_i(μ_i − π_i) from [N, m] log-probs on S (or the probs); [N]."""
+              pi: Tensor | None = None, diff: Tensor | None = None) -> Tensor:
+    """(π_k − μ_k) + Σ_{i∈S} π_i(μ_i − π_i) from [N, m] log-probs on S (or the probs, and
+    diff = μ − π when the caller has it); [N]."""
     mu = torch.exp(mu_logp) if mu is None else mu
     pi = torch.exp(pi_logp) if pi is None else pi
-    local = (pi - mu).gather(1, k_index[:, None])[:, 0]
-    return local + (pi * (mu - pi)).sum(dim=-1)
+    diff = mu - pi if diff is None else diff
+    local = pi.gather(1, k_index[:, None])[:, 0] - mu.gather(1, k_index[:, None])[:, 0]
+    return local + (pi * diff).sum(dim=-1)
 
 
 def ddot(head: Tensor, view: TailView, estimator: str) -> Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .compiled import one_thread
 from .config import AGGREGATIONS, MaskConfig
 from .errors import PDMInputError, check_same, check_tensor
 from .masks import compute_mask
@@ -108,14 +109,15 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
     stats = token_stats(support, pi, mu_full=mu_full, pi_full=pi_full, compiled=compiled)
     if coupled is not None:
         stats = dataclasses.replace(stats, coupled=coupled.detach().reshape(-1).to(stats.ratio.dtype))
-    adv = advantages.reshape(-1).to(stats.ratio.dtype)
-    resp = response_mask.reshape(-1).bool()
-    adv = torch.where(resp, adv, torch.zeros_like(adv))  # padding carries no advantage
-    keep = compute_mask(cfg, stats, adv, response_mask)
-    logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
-    mu_logp_k = support.mu_logp_k.to(logp_k.dtype)
-    per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, cfg.clip_ratio_c)
-    loss = aggregate(per_token.reshape(advantages.shape), response_mask, cfg.aggregation, cfg.horizon)
-    sums = step_metric_sums(stats, keep, adv, resp, cfg)
+    with one_thread(stats.ratio.device):  # [N] vectors: see compiled.one_thread
+        adv = advantages.reshape(-1).to(stats.ratio.dtype)
+        resp = response_mask.reshape(-1).bool()
+        adv = torch.where(resp, adv, torch.zeros_like(adv))  # padding carries no advantage
+        keep = compute_mask(cfg, stats, adv, response_mask)
+        logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
+        mu_logp_k = support.mu_logp_k.to(logp_k.dtype)
+        per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, cfg.clip_ratio_c)
+        loss = aggregate(per_token.reshape(advantages.shape), response_mask, cfg.aggregation, cfg.horizon)
+        sums = step_metric_sums(stats, keep, adv, resp, cfg)
     return LossOutput(loss=loss, keep=keep.reshape(advantages.shape), stats=stats, metrics=finalize(sums),
                       metric_sums=sums)

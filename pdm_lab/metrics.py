@@ -50,29 +50,36 @@ def metric(reduce: str, value: Any, count: Any = 1) -> Metric:
     return Metric(reduce, _f64(value), _f64(count))
 
 
-def mean_of(x: Tensor, where: Tensor) -> Metric:
-    """``mean`` of x over the ``where`` entries (Σ and count; no division yet)."""
-    w = where.to(torch.float64)  # select, don't multiply: a padding slot's r may be inf (inf·0 = NaN)
-    return Metric("mean", torch.where(where.bool(), x.to(torch.float64), 0.0).sum(), w.sum())
+def count_of(where: Tensor) -> Tensor:
+    """The number of ``where`` entries, 0-d float64 (pass it on when several keys share `where`)."""
+    return where.to(torch.float64).sum()
 
 
-def _extreme_of(reduce: str, x: Tensor, where: Tensor) -> Metric:
+def mean_of(x: Tensor, where: Tensor, count: Tensor | None = None) -> Metric:
+    """``mean`` of x over the ``where`` entries (Σ and count; no division yet). `count`:
+    ``count_of(where)`` when the caller has it."""
+    # select, don't multiply: a padding slot's r may be inf (inf·0 = NaN)
+    return Metric("mean", torch.where(where.bool(), x.to(torch.float64), 0.0).sum(),
+                  count_of(where) if count is None else count)
+
+
+def _extreme_of(reduce: str, x: Tensor, where: Tensor, count: Tensor | None) -> Metric:
     filled = x.to(torch.float64).masked_fill(~where.bool(), _IDENTITY[reduce])
     if filled.numel() == 0:  # an empty batch: the identity, count 0
         value = _f64(_IDENTITY[reduce]).to(filled.device)
     else:
         value = filled.max() if reduce == "max" else filled.min()
-    return Metric(reduce, value, where.to(torch.float64).sum())
+    return Metric(reduce, value, count_of(where) if count is None else count)
 
 
-def max_of(x: Tensor, where: Tensor) -> Metric:
+def max_of(x: Tensor, where: Tensor, count: Tensor | None = None) -> Metric:
     """``max`` of x over the ``where`` entries (−inf, count 0 when there are none)."""
-    return _extreme_of("max", x, where)
+    return _extreme_of("max", x, where, count)
 
 
-def min_of(x: Tensor, where: Tensor) -> Metric:
+def min_of(x: Tensor, where: Tensor, count: Tensor | None = None) -> Metric:
     """``min`` of x over the ``where`` entries (+inf, count 0 when there are none)."""
-    return _extreme_of("min", x, where)
+    return _extreme_of("min", x, where, count)
 
 
 def merge_metrics(*parts: Mapping[str, Metric]) -> MetricSums:
@@ -194,32 +201,33 @@ def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tenso
     """
     response = response.bool()
     outside = outside_region(stats.topk_kl, advantages, cfg) & response
+    n, n_out = count_of(response), count_of(outside)  # once each: shared by their keys
     metrics: MetricSums = {}
     if keep is not None:
         dropped = 1.0 - keep.to(torch.float64)
         metrics.update({
-            "mask/frac_dropped": mean_of(dropped, response),
+            "mask/frac_dropped": mean_of(dropped, response, n),
             "mask/frac_dropped_pos": mean_of(dropped, response & (advantages > 0)),
             "mask/frac_dropped_neg": mean_of(dropped, response & (advantages < 0)),
         })
     metrics.update({
-        "mask/frac_outside": mean_of(outside, response),
-        "div/topk_kl_mean": mean_of(stats.topk_kl, response),
-        "div/topk_kl_max": max_of(stats.topk_kl, response),
-        "div/topk_tv_mean": mean_of(stats.topk_tv, response),
-        "div/mu_tail_mean": mean_of(stats.mu_tail, response),
-        "div/pi_tail_mean": mean_of(stats.pi_tail, response),
-        "ratio/mean": mean_of(stats.ratio, response),
-        "ratio/min": min_of(stats.ratio, response),
-        "ratio/max": max_of(stats.ratio, response),
+        "mask/frac_outside": Metric("mean", n_out, n),  # Σ over response of [outside] = |outside|
+        "div/topk_kl_mean": mean_of(stats.topk_kl, response, n),
+        "div/topk_kl_max": max_of(stats.topk_kl, response, n),
+        "div/topk_tv_mean": mean_of(stats.topk_tv, response, n),
+        "div/mu_tail_mean": mean_of(stats.mu_tail, response, n),
+        "div/pi_tail_mean": mean_of(stats.pi_tail, response, n),
+        "ratio/mean": mean_of(stats.ratio, response, n),
+        "ratio/min": min_of(stats.ratio, response, n),
+        "ratio/max": max_of(stats.ratio, response, n),
         "tokens/response": metric("sum", response.sum()),
     })
     if stats.full_kl is not None:
-        metrics["div/full_kl_mean"] = mean_of(stats.full_kl, response)
-        metrics["div/full_kl_max"] = max_of(stats.full_kl, response)
+        metrics["div/full_kl_mean"] = mean_of(stats.full_kl, response, n)
+        metrics["div/full_kl_max"] = max_of(stats.full_kl, response, n)
     if cfg.direction_estimator in stats.ddot:
-        metrics["mask/dir_disagree"] = mean_of(direction_disagreement(stats, cfg.direction_estimator), outside)
-    metrics["mask/ddot_sign_certified"] = mean_of(sign_certified(stats), outside)
+        metrics["mask/dir_disagree"] = mean_of(direction_disagreement(stats, cfg.direction_estimator), outside, n_out)
+    metrics["mask/ddot_sign_certified"] = mean_of(sign_certified(stats), outside, n_out)
     return metrics
 
 

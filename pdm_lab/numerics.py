@@ -26,7 +26,10 @@ def xlogy_ratio(logp: Tensor, logq: Tensor, p: Tensor | None = None) -> Tensor:
     """
     p = torch.exp(logp) if p is None else p
     # p = 0 would give 0·(−inf − log q) = NaN; where p > 0 and q = 0 the +inf is the true value
-    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
+    if torch.compiler.is_compiling() or p.requires_grad:  # (mul_ would lose what p's gradient needs)
+        return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
+    term = logp - logq  # eagerly: one temporary, multiplied in place (same values)
+    return torch.where(p > 0, term.mul_(p), 0.0)
 
 
 def masked_logsumexp(x: Tensor, keep: Tensor, dim: int = -1) -> Tensor:
@@ -44,6 +47,21 @@ def rest_logmass(logp: Tensor, tail_logp: Tensor, k_index: Tensor) -> Tensor:
     Naive equivalent: ``torch.log(1 - p_k)``.
     """
     logp_k = logp.gather(1, k_index[:, None])[:, 0]
-    others = logp.scatter(1, k_index[:, None], float("-inf"))
-    rest = torch.logaddexp(torch.logsumexp(others, dim=-1), tail_logp)
-    return torch.where(logp_k > _LOG_HALF, rest, log1mexp(logp_k))
+    weak = logp_k > _LOG_HALF
+    out = log1mexp(logp_k)
+    if torch.compiler.is_compiling():  # fused: the log-sum-exp costs little beside the rest
+        return torch.where(weak, _rest_logsumexp(logp, tail_logp, k_index), out)
+    rows = weak.nonzero()[:, 0]  # eagerly only the rows that need it (the same values)
+    if rows.numel() > 0:
+        out[rows] = _rest_logsumexp(logp[rows], tail_logp[rows], k_index[rows])
+    return out
+
+
+def _rest_logsumexp(logp: Tensor, tail_logp: Tensor, k_index: Tensor) -> Tensor:
+    """log(Σ_{i∈S∖{k}} p_i + p_T) as a log-sum-exp, [N]."""
+    if torch.compiler.is_compiling():  # a select fuses; inductor writes a scatter's copy first
+        col = torch.arange(logp.shape[1], device=logp.device)
+        others = torch.where(col[None, :] == k_index[:, None], float("-inf"), logp)
+    else:
+        others = logp.scatter(1, k_index[:, None], float("-inf"))
+    return torch.logaddexp(torch.logsumexp(others, dim=-1), tail_logp)

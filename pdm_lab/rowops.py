@@ -24,6 +24,25 @@ def when(flag: Tensor) -> bool:
     return torch.compiler.is_compiling() or bool(flag)
 
 
+def any_true(mask: Tensor) -> Tensor:
+    """0-d bool: some entry of the bool tensor is True. Eager: a max over its bytes (torch's bool
+    ``any`` is a scalar loop, ~30× slower on a [65536, 20] block); compiled: ``any``."""
+    if torch.compiler.is_compiling():
+        return mask.any()
+    if mask.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=mask.device)
+    return mask.view(torch.uint8).amax() > 0
+
+
+def all_true(mask: Tensor) -> Tensor:
+    """0-d bool: every entry of the bool tensor is True (True when empty); see ``any_true``."""
+    if torch.compiler.is_compiling():
+        return mask.all()
+    if mask.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=mask.device)
+    return mask.view(torch.uint8).amin() > 0
+
+
 def append_column(x: Tensor, column: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """[N, m] and [N] → [N, m + 1] in `dtype` (default x's). Eager: one write into a fresh buffer.
     Compiled: a pad plus a select, which fuses with what follows; inductor's ``cat`` writes its
@@ -68,12 +87,15 @@ def head_log_mass(logp: Tensor) -> Tensor:
 
     log(Σ exp) is exact enough while the sum is far from underflow (a head holding μ's top token
     has mass ≥ 1/n); rows below e⁻⁶⁰ fall back to ``logsumexp``: eagerly only when a row needs
-    it, compiled always (fused into the same pass over the row)."""
+    it, compiled always (fused into the same pass over the row). Compiled code keeps log(Σ exp)
+    too, though ``logsumexp`` alone would save an exp: μ_T = 1 − e^head is ill-conditioned where
+    the head holds nearly all the mass, and a different rounding of the head moves log μ_T by up
+    to log 2 there (measured), so both paths round the head alike."""
     if logp.shape[1] == 0:
         return logp.new_full((logp.shape[0],), _NEG_INF)
     head = torch.log(torch.exp(logp).sum(dim=1))
     small = head < -60.0  # also catches a sum that underflowed to 0 (log → −inf)
-    if when(small.any()):
+    if when(any_true(small)):
         head = torch.where(small, torch.logsumexp(logp, dim=1), head)
     return head
 
@@ -93,7 +115,10 @@ def any_duplicate(ids: Tensor) -> Tensor:
         return torch.zeros((), dtype=torch.bool, device=ids.device)
     if not torch.compiler.is_compiling():
         srt = torch.sort(ids, dim=1).values
-        return ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()
+        same = srt[:, 1:] == srt[:, :-1]
+        if not bool(any_true(same)):
+            return torch.zeros((), dtype=torch.bool, device=ids.device)
+        return any_true(same & (srt[:, 1:] >= 0))  # two pads are no duplicate
     cols = [torch.where(ids[:, j] >= 0, ids[:, j], -1 - j) for j in range(m)]
     dup = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for i in range(m - 1):
@@ -116,11 +141,18 @@ def rows_ordered(ids: Tensor, logp: Tensor) -> Tensor:
     if logp.shape[1] < 2:
         return torch.ones((), dtype=torch.bool, device=logp.device)
     a, b = logp[:, :-1], logp[:, 1:]
-    if not torch.compiler.is_compiling() and bool((a > b).all()):
-        return torch.ones((), dtype=torch.bool, device=logp.device)
-    pad = ids < 0
-    in_order = (a > b) | ((a == b) & (ids[:, :-1] < ids[:, 1:])) | pad[:, 1:]
-    return (in_order & ~(pad[:, :-1] & ~pad[:, 1:])).all()
+    if not torch.compiler.is_compiling():
+        descent = a > b
+        if bool(all_true(descent)):
+            return torch.ones((), dtype=torch.bool, device=logp.device)
+        # every violation of the full test sits where a > b fails (a pad holds −inf): test there only
+        row, col = (~descent).nonzero(as_tuple=True)
+        a, b = a[row, col], b[row, col]
+        left, right = ids[row, col], ids[row, col + 1]
+    else:
+        left, right = ids[:, :-1], ids[:, 1:]
+    in_order = (a > b) | ((a == b) & (left < right)) | (right < 0)
+    return all_true(in_order & ~((left < 0) & (right >= 0)))
 
 
 def rows_ordered_reference(ids: Tensor, logp: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .compiled import maybe_compiled
-from .direction import DDOT_ESTIMATORS, TailView, ddot, ddot_head, ddot_interval
+from .direction import DDOT_ESTIMATORS, TailView, ddot, ddot_head, ddot_interval, tail_live
 from .divergence import binary_kl, binary_tv, full_kl, topk_kl, topk_tv
 from .errors import PDMInputError, check_same
 from .numerics import rest_logmass
@@ -42,16 +42,19 @@ def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tai
     """The tensor math of ``token_stats``: pure, so ``torch.compile`` can fuse it unchanged."""
     mu_logp_k = mu_logp.gather(1, k_index[:, None])[:, 0]
     pi_logp_k = pi_logp.gather(1, k_index[:, None])[:, 0]
-    view = TailView(mu_tail=torch.exp(mu_tail_logp), pi_tail=torch.exp(pi_tail_logp),
+    pi_tail = torch.exp(pi_tail_logp)
+    view = TailView(mu_tail=torch.exp(mu_tail_logp), pi_tail=pi_tail,
                     pi_tail_logp=pi_tail_logp, tail_count=tail_count,
-                    pi_tail_log_sumsq=pi_tail_log_sumsq, exact_tail=exact_tail)
+                    pi_tail_log_sumsq=pi_tail_log_sumsq, exact_tail=exact_tail,
+                    live=tail_live(tail_count, pi_tail))
     mu, pi = torch.exp(mu_logp), torch.exp(pi_logp)  # once, shared by D, TV and the head
-    head = ddot_head(mu_logp, pi_logp, k_index, mu=mu, pi=pi)
+    diff = mu - pi  # once, shared by TV and the head
+    head = ddot_head(mu_logp, pi_logp, k_index, mu=mu, pi=pi, diff=diff)
     lower, upper = ddot_interval(head, view, torch.exp(mu_kth_logp))
     log_ratio = pi_logp_k - mu_logp_k
     out = {
         "topk_kl": topk_kl(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, mu=mu),
-        "topk_tv": topk_tv(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, mu=mu, pi=pi),
+        "topk_tv": topk_tv(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, diff=diff),
         "binary_kl": binary_kl(mu_logp_k, pi_logp_k,
                                mu_rest_logp=rest_logmass(mu_logp, mu_tail_logp, k_index),
                                pi_rest_logp=rest_logmass(pi_logp, pi_tail_logp, k_index)),

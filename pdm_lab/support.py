@@ -24,7 +24,7 @@ from . import support_checks as checks
 from .compiled import maybe_compiled
 from .errors import logp_tolerance
 from .numerics import log1mexp, masked_logsumexp
-from .rowops import any_duplicate, append_column, first_true, head_log_mass, order_rows, rows_ordered, when
+from .rowops import all_true, any_duplicate, append_column, first_true, head_log_mass, order_rows, rows_ordered, when
 from .support_checks import CONVENTIONS  # noqa: F401  (re-exported: the conventions' names)
 
 _NEG_INF = float("-inf")
@@ -191,7 +191,7 @@ def _engine_math(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_l
         contradicts=checks.sampled_logp_contradicts(mu_logp_k, sampled_logp))
     return {"ids": ids, "k_index": k_index, "mu_logp": mu_logp,
             "mu_tail_logp": tail_from_head(head, tail_count), "mu_kth_logp": kth, "tail_count": tail_count,
-            "flags": torch.stack([bad_logp, ~rows_ordered(topk_ids, topk_logp), bad_support, ~in_top.all()])}
+            "flags": torch.stack([bad_logp, ~rows_ordered(topk_ids, topk_logp), bad_support, ~all_true(in_top)])}
 
 
 def _slots_math(ids: Tensor, mu_logp: Tensor, sampled: Tensor, mu_tail_logp: Tensor | None,
@@ -199,7 +199,7 @@ def _slots_math(ids: Tensor, mu_logp: Tensor, sampled: Tensor, mu_tail_logp: Ten
     """The tensor math of ``support_from_slots`` (arguments as there): the fields of `Support` and
     ``flags``, [1] bool: some row fails a check of ``support_checks.raise_support_error``."""
     valid = ids >= 0
-    if when(~valid.all()):
+    if when(~all_true(valid)):
         mu_logp = mu_logp.masked_fill(~valid, _NEG_INF)
     has_k, k_index = first_true(ids == sampled[:, None])
     mu_logp_k = mu_logp.gather(1, k_index[:, None])[:, 0]

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .errors import PDMInputError, check_logp, check_same, check_tensor, logp_tolerance, raise_at
-from .rowops import first_true, head_log_mass
+from .rowops import all_true, any_true, first_true, head_log_mass
 
 CONVENTIONS = ("union", "kslot")
 _NEG_INF = float("-inf")
@@ -105,10 +105,15 @@ def outside(x: Tensor, low: int, high: int | None = None) -> Tensor:
 
 def logp_flag(logp: Tensor, *, allow_neg_inf: bool = True) -> Tensor:
     """0-d bool: `check_logp` would raise (NaN, +inf or above 0 beyond rounding; −inf if barred)."""
-    ok = logp <= logp_tolerance(logp.dtype)  # NaN and +inf both fail it
+    tol = logp_tolerance(logp.dtype)
+    if not torch.compiler.is_compiling() and logp.numel() > 0:
+        # eagerly one read: max and min propagate NaN, which fails both tests as it fails ``<=``
+        lo, hi = torch.aminmax(logp)
+        return ~(hi <= tol) if allow_neg_inf else ~((hi <= tol) & (lo > _NEG_INF))
+    ok = logp <= tol  # NaN and +inf both fail it
     if not allow_neg_inf:
         ok = ok & (logp > _NEG_INF)
-    return ~ok.all()
+    return ~all_true(ok)
 
 
 def sampled_logp_contradicts(mu_logp_k: Tensor, sampled_logp: Tensor) -> Tensor:
@@ -124,13 +129,13 @@ def support_flag(ids: Tensor, sampled: Tensor, vocab_size: int, *, duplicate: Te
                  mu_tail_logp: Tensor | None = None, contradicts: Tensor | None = None) -> Tensor:
     """0-d bool: some row fails a check of `raise_support_error` (NaN fails each ``<=``). `ids`: the
     ids whose range is checked, in the caller's dtype (before any narrowing to int32)."""
-    bad = outside(ids, -1, vocab_size) | outside(sampled, 0, vocab_size) | duplicate | ~has_k.all()
-    bad = bad | mu_logp_bad | (mu_logp_k == _NEG_INF).any() | ~(head <= logp_tolerance(head.dtype)).all()
+    bad = outside(ids, -1, vocab_size) | outside(sampled, 0, vocab_size) | duplicate | ~all_true(has_k)
+    bad = bad | mu_logp_bad | any_true(mu_logp_k == _NEG_INF) | logp_flag(head)
     if mu_tail_logp is not None:
         bad = bad | logp_flag(mu_tail_logp)
     if contradicts is not None:
-        bad = bad | contradicts.any()
-    return bad | (tail_count < 0).any()
+        bad = bad | any_true(contradicts)
+    return bad | outside(tail_count, 0)
 
 
 # --- the failing path: eager, in order, naming the first offending entry --------------------

@@ -79,9 +79,10 @@ def test_compiled_primitives_match_eager():
             torch.testing.assert_close(comp[key], eager[key], msg=key)
 
 
-@pytest.mark.parametrize("convention", ["union", "kslot"])
-def test_row_blocks_match_one_call(monkeypatch, convention):
-    """Eager row blocks (7 rows here) build the same support and stats as one whole-tensor call."""
+@pytest.mark.parametrize("convention,threads", [("union", 1), ("kslot", 1), ("union", 2)])
+def test_row_blocks_match_one_call(monkeypatch, convention, threads):
+    """Eager row blocks (7 rows here) build the same support and stats as one whole-tensor call,
+    on one thread or taken in turn by one-thread workers (threads > 1)."""
     from pdm_lab.stats import token_stats
     from pdm_lab.policy_side import policy_on_support
     mu = random_logp(50, 30, 3)
@@ -98,14 +99,15 @@ def test_row_blocks_match_one_call(monkeypatch, convention):
     pi = policy_on_support(random_logp(50, 30, 4), whole.ids)
     whole_stats = token_stats(whole, pi, compiled=False)
     monkeypatch.setattr(compiled_mod, "BLOCK_ROWS", 7)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # row blocks run single-threaded only
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         blocked = build()
         blocked_slots = slots(blocked)
         stats = token_stats(blocked, pi, compiled=False)
+        assert torch.get_num_threads() == threads  # the workers' one thread does not leak out
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     for part_whole, part in ((whole, blocked), (whole_slots, blocked_slots)):
         for f in ("ids", "k_index", "mu_logp", "mu_tail_logp", "mu_kth_logp", "tail_count"):
             assert torch.equal(getattr(part, f), getattr(part_whole, f)), f
@@ -114,17 +116,18 @@ def test_row_blocks_match_one_call(monkeypatch, convention):
     assert all(torch.equal(stats.ddot[e], whole_stats.ddot[e]) for e in whole_stats.ddot)
 
 
-def test_row_blocks_raise_the_same_error(monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_blocks_raise_the_same_error(monkeypatch, threads):
     ids, vals, sampled = torch.tensor([[1, 2]] * 20), torch.full((20, 2), -2.0), torch.tensor([1] * 20)
     ids[13, 1] = 1
     monkeypatch.setattr(compiled_mod, "BLOCK_ROWS", 4)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         with pytest.raises(PDMInputError, match="duplicate token id 1 in row 13; 1 rows affected"):
             support_from_topk(ids, vals, sampled, torch.full((20,), -2.0), vocab_size=5, compiled=False)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def test_ids_are_int32_when_the_vocabulary_allows():
