@@ -88,15 +88,17 @@ def load_average() -> float:
 
 
 def rollout_like_inputs(n_tokens: int, k: int, vocab: int, seed: int = 0, device: str = "cpu") -> dict:
-    """What a rollout engine returns for N tokens (sorted top-K, sampled id inside ~90% of the
-    time) and noise for a matching π on the support, without any [N, V] tensor."""
+    """What a rollout engine returns for N tokens (top-K sorted by log-prob, ids in no order,
+    sampled id inside ~90% of the time) and noise for a matching π on the support, without any [N, V] tensor."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(n_tokens, k + 1, generator=gen) * 2.0
     logits = torch.sort(logits, dim=1, descending=True).values
     head = torch.log_softmax(logits, dim=1)  # k+1 atoms: K head tokens and the tail
     topk_logp = head[:, :k]
     start = torch.randint(0, vocab - k - 1, (n_tokens, 1), generator=gen)
-    topk_ids = start + torch.arange(k)[None, :]
+    # ids in the order an engine returns them (by log-prob, not by id): a sorted-id row would
+    # flatter the duplicate check, whose eager form sorts each row
+    topk_ids = start + torch.rand(n_tokens, k, generator=gen).argsort(dim=1)
     inside = torch.rand(n_tokens, generator=gen) < 0.9
     slot = torch.randint(0, k, (n_tokens,), generator=gen)
     sampled = torch.where(inside, topk_ids.gather(1, slot[:, None])[:, 0], (start[:, 0] + k) % vocab)
