@@ -155,6 +155,16 @@ def rows_ordered(ids: Tensor, logp: Tensor) -> Tensor:
     return all_true(in_order & ~((left < 0) & (right >= 0)))
 
 
+def rows_out_of_order(ids: Tensor, logp: Tensor) -> Tensor:
+    """[N] bool: the rows ``rows_ordered`` rejects (the rare path: eager, one pass)."""
+    if logp.shape[1] < 2:
+        return torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
+    a, b = logp[:, :-1], logp[:, 1:]
+    left, right = ids[:, :-1], ids[:, 1:]
+    in_order = (a > b) | ((a == b) & (left < right)) | (right < 0)
+    return ~(in_order & ~((left < 0) & (right >= 0))).all(dim=1)
+
+
 def rows_ordered_reference(ids: Tensor, logp: Tensor) -> Tensor:
     srt_ids, _ = order_rows_reference(ids, logp)
     return torch.tensor(bool(torch.equal(srt_ids, ids)), device=ids.device)

@@ -24,7 +24,8 @@ from . import support_checks as checks
 from .compiled import maybe_compiled
 from .errors import logp_tolerance
 from .numerics import log1mexp, masked_logsumexp
-from .rowops import all_true, any_duplicate, append_column, first_true, head_log_mass, order_rows, rows_ordered, when
+from .rowops import (all_true, any_duplicate, append_column, first_true, head_log_mass, order_rows, rows_ordered,
+                     rows_out_of_order, when)
 from .support_checks import CONVENTIONS  # noqa: F401  (re-exported: the conventions' names)
 
 _NEG_INF = float("-inf")
@@ -256,8 +257,11 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
         top_ids, top_logp, sampled, sampled_logp, _ = _engine_rows(*inputs)
         if bad_logp:
             checks.raise_engine_logp_error(top_logp, sampled_logp)
-        if unordered:  # rollout engines usually return rows in order: then nothing is sorted
-            top_ids, top_logp = order_rows(top_ids, top_logp)
+        if unordered:  # rollout engines usually return rows in order: only the rows that are not
+            # (a tie broken to the higher id, common with bf16 log-probs) are sorted
+            rows = torch.nonzero(rows_out_of_order(top_ids, top_logp))[:, 0]
+            sub_ids, sub_logp = order_rows(top_ids[rows], top_logp[rows])
+            top_ids, top_logp = top_ids.index_copy(0, rows, sub_ids), top_logp.index_copy(0, rows, sub_logp)
             # keep again: blanking is idempotent, and the compiled graph stays the same
             out = math(top_ids, top_logp, sampled, sampled_logp, keep, vocab_size, k, convention)
             _, _, bad_support, extra_used = out.pop("flags").tolist()

@@ -3,7 +3,7 @@ compiled, reference), eager row blocks against one whole-tensor call, int32 ids,
 the fused validation pass adds."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from core_helpers import random_logp, sample_from
 from pdm_lab import compiled as compiled_mod
@@ -154,3 +154,36 @@ def test_sampled_logp_contradicting_its_topk_entry():
     with pytest.raises(PDMInputError, match=r"sampled_logp: contradicts topk_logp at the sampled token "
                                             r"\(row index; value shown\) at position \[1\]"):
         support_from_topk(ids, logp, torch.tensor([2, 4]), torch.tensor([-1.5, -0.7]), vocab_size=5)
+
+
+@given(seed=st.integers(0, 10**6))
+@settings(max_examples=30, deadline=None)
+def test_rows_out_of_order_flags_exactly_the_rows_the_reference_rejects(seed):
+    *_, top, top_logp = _case(seed)
+    flags = rowops.rows_out_of_order(top, top_logp)
+    expected = [not bool(rowops.rows_ordered_reference(top[i:i + 1], top_logp[i:i + 1])) for i in range(top.shape[0])]
+    assert flags.tolist() == expected
+    assert bool(rowops.rows_ordered(top, top_logp)) == (not any(expected))
+
+
+def test_support_with_a_row_out_of_order_equals_the_ordered_rows():
+    # a tie broken to the higher id in one row: the support equals the one built from rows the
+    # reference ordered, and the in-order rows are untouched
+    from pdm_lab.support import support_from_topk
+
+    inp = rollout_like_inputs(64, 5, vocab=1000)
+    ids, logp = inp["topk_ids"].clone(), inp["topk_logp"].clone()
+    logp[3, 1] = logp[3, 2]  # a tie (mass only falls)
+    lo, hi = sorted((int(ids[3, 1]), int(ids[3, 2])))
+    ids[3, 1], ids[3, 2] = hi, lo  # broken to the higher id
+    sampled_logp = inp["sampled_logp"].clone()
+    hit = ids[3] == inp["sampled"][3]
+    if bool(hit.any()):
+        sampled_logp[3] = logp[3][hit][0]
+    ref_ids, ref_logp = rowops.order_rows_reference(ids, logp)
+    args = dict(vocab_size=1000, k=5)
+    assert rowops.rows_out_of_order(ids, logp).nonzero()[:, 0].tolist() == [3]
+    got = support_from_topk(ids, logp, inp["sampled"], sampled_logp, **args)
+    want = support_from_topk(ref_ids, ref_logp, inp["sampled"], sampled_logp, **args)
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.mu_logp, want.mu_logp)
+    assert torch.equal(got.k_index, want.k_index)
