@@ -262,12 +262,9 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
             rows = torch.nonzero(rows_out_of_order(top_ids, top_logp))[:, 0]
             sub_ids, sub_logp = order_rows(top_ids[rows], top_logp[rows])
             top_ids, top_logp = top_ids.index_copy(0, rows, sub_ids), top_logp.index_copy(0, rows, sub_logp)
-            # those rows again (keep again: blanking is idempotent; the graph is dynamic in N); the
-            # other flags do not depend on the order, so the first pass's stand for every row
-            sub = math(sub_ids, sub_logp, sampled[rows], sampled_logp[rows], None if keep is None else keep[rows],
-                       vocab_size, k, convention)
-            bad_support = bad_support or bool(sub.pop("flags")[2])
-            out = {key: value.index_copy(0, rows, sub[key]) for key, value in out.items()}
+            # keep again: blanking is idempotent, and the compiled graph stays the same
+            out = math(top_ids, top_logp, sampled, sampled_logp, keep, vocab_size, k, convention)
+            _, _, bad_support, extra_used = out.pop("flags").tolist()
         if bad_support:
             checks.raise_support_error(out["ids"], out["mu_logp"], sampled, vocab_size, out["tail_count"],
                                        range_ids=top_ids[:, :k], sampled_logp=sampled_logp)
