@@ -1,7 +1,7 @@
 """Support construction: conventions, tie-breaking, engine-side vs full-side agreement, divergences."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from core_helpers import mismatched_pair, random_logp, sample_from
 from pdm_lab.divergence import full_kl
@@ -70,6 +70,9 @@ def test_adding_k_never_lowers_d(n, k, seed):
 
 @given(n=st.integers(2, 400), k=st.integers(1, 25), seed=st.integers(0, 10**6),
        convention=st.sampled_from(["union", "kslot"]), shuffle=st.booleans())
+# a shuffled row whose sampled token sits past the first k: whether the extra slot is used depends
+# on the order, so every flag must come from the ordered rows
+@example(n=2, k=1, seed=1, convention="union", shuffle=True)
 def test_engine_side_support_matches_full_side(n, k, seed, convention, shuffle):
     """What a rollout engine returns (top-K', sampled) gives the same support as full μ."""
     mu = random_logp(4, n, seed)
