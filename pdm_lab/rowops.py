@@ -151,18 +151,20 @@ def rows_ordered(ids: Tensor, logp: Tensor) -> Tensor:
         left, right = ids[row, col], ids[row, col + 1]
     else:
         left, right = ids[:, :-1], ids[:, 1:]
-    in_order = (a > b) | ((a == b) & (left < right)) | (right < 0)
-    return all_true(in_order & ~((left < 0) & (right >= 0)))
+    return all_true(_pairs_in_order(a, b, left, right))
+
+
+def _pairs_in_order(a: Tensor, b: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """Neighbours (logp a, b; ids left, right) in μ's top-K order: descending logp, ties to the
+    lower id, padding (id < 0) only after padding or at the end."""
+    return ((a > b) | ((a == b) & (left < right)) | (right < 0)) & ~((left < 0) & (right >= 0))
 
 
 def rows_out_of_order(ids: Tensor, logp: Tensor) -> Tensor:
     """[N] bool: the rows ``rows_ordered`` rejects (the rare path: eager, one pass)."""
     if logp.shape[1] < 2:
         return torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
-    a, b = logp[:, :-1], logp[:, 1:]
-    left, right = ids[:, :-1], ids[:, 1:]
-    in_order = (a > b) | ((a == b) & (left < right)) | (right < 0)
-    return ~(in_order & ~((left < 0) & (right >= 0))).all(dim=1)
+    return ~_pairs_in_order(logp[:, :-1], logp[:, 1:], ids[:, :-1], ids[:, 1:]).all(dim=1)
 
 
 def rows_ordered_reference(ids: Tensor, logp: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from pdm_lab.scaling.config import TinyModelConfig, TrainerConfig
 from pdm_lab.scaling.policy_model import PolicyModel
 from pdm_lab.scaling.tiny_model import build_model
 
-from test_scaling_units import VOCAB, fake_batch
+from test_scaling_units import VOCAB, StepCfg, fake_batch
 
 MASK = MaskConfig(rule="pdm_coupled", k=5, delta=0.02)
 
@@ -136,18 +136,6 @@ def test_adam_preconditioner_is_identity_before_the_first_step_then_bias_correct
     assert torch.allclose(diag, 1 / (v_hat.sqrt() + 1e-8))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rollout:
-    temperature: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-    mask: MaskConfig
-    trainer: TrainerConfig
-    rollout: _Rollout = _Rollout()
-
-
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_update_with_pdm_coupled(lm, opt_name):
     model = copy.deepcopy(lm)
@@ -156,7 +144,7 @@ def test_update_with_pdm_coupled(lm, opt_name):
     policy = PolicyModel(model)
     opt = (torch.optim.SGD(policy.parameters(), lr=0.05) if opt_name == "sgd"
            else torch.optim.AdamW(policy.parameters(), lr=1e-3))
-    cfg = _Cfg(mask=MASK, trainer=TrainerConfig(mini_batches=2, micro_batch_size=2))
+    cfg = StepCfg(mask=MASK, trainer=TrainerConfig(mini_batches=2, micro_batch_size=2))
     res = train_step.update_policy(policy, opt, batch, adv, cfg=cfg, vocab_size=VOCAB, pad_id=0, lr=0.05)
     assert res.times["coupled"] > 0
     assert res.metrics["coupled/outside"] > 0 and res.metrics["coupled/eps"] > 0

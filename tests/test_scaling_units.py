@@ -226,7 +226,8 @@ class _Rollout:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cfg:
+class StepCfg:
+    """The fields of the run config that ``train_step.update`` reads (also used by test_scaling_coupled)."""
     mask: MaskConfig
     trainer: TrainerConfig
     rollout: _Rollout = _Rollout()
@@ -245,7 +246,7 @@ def test_update_goes_through_the_registry_and_raises_good_samples(tiny_lm, monke
         return original(stats, advantages, cfg)
 
     monkeypatch.setitem(pdm_lab.masks.MASK_RULES, "pdm_topk", dataclasses.replace(original, drop=counting))
-    cfg = _Cfg(mask=MaskConfig(rule="pdm_topk", k=5), trainer=TrainerConfig(mini_batches=2, micro_batch_size=2))
+    cfg = StepCfg(mask=MaskConfig(rule="pdm_topk", k=5), trainer=TrainerConfig(mini_batches=2, micro_batch_size=2))
     policy = PolicyModel(lm)
 
     def seq_logp():
@@ -298,7 +299,7 @@ def test_tiny_config_logs_the_direction_metric_of_its_own_rule(tiny_lm):
     assert rate["topk"] != rate["agg"]  # the batch tells the estimators apart
 
     def logged(mask_cfg):
-        cfg = _Cfg(mask=mask_cfg, trainer=TrainerConfig(mini_batches=1, micro_batch_size=4))
+        cfg = StepCfg(mask=mask_cfg, trainer=TrainerConfig(mini_batches=1, micro_batch_size=4))
         opt = torch.optim.SGD(PolicyModel(tiny_lm).parameters(), lr=0.0)  # measure only: π stays put
         return train_step.update_policy(PolicyModel(tiny_lm), opt, batch, adv, cfg=cfg, vocab_size=VOCAB,
                                         pad_id=0, lr=0.0).metrics
