@@ -57,6 +57,23 @@ def rest_logmass(logp: Tensor, tail_logp: Tensor, k_index: Tensor) -> Tensor:
     return out
 
 
+def rest_logmass_from_probs(logp_k: Tensor, p: Tensor, tail: Tensor, k_index: Tensor) -> tuple[Tensor, Tensor]:
+    """``rest_logmass`` from the probabilities at hand (the stats have p = exp(log p) on S and
+    p_T): where p_k > ½ the rest is the plain sum log(Σ_{i∈S∖{k}} p_i + p_T), one pass and no
+    exponential per entry; elsewhere log1mexp(log p_k), as there. [N, m] p, [N] log p_k, p_T.
+
+    Returns the values and [N] bool `rescue`: rows whose sum fell within 2²⁴ of the dtype's
+    smallest normal number, where its small terms lost digits or underflowed (log → −inf);
+    ``rest_logmass`` gives those rows exactly, and the caller recomputes them (the rare path,
+    eager: compiled code cannot branch per row).
+    """
+    weak = logp_k > _LOG_HALF
+    col = torch.arange(p.shape[1], device=p.device)
+    rest = torch.where(col[None, :] == k_index[:, None], 0.0, p).sum(dim=-1) + tail
+    rescue = weak & (rest < torch.finfo(p.dtype).tiny * 2.0**24)
+    return torch.where(weak, torch.log(rest), log1mexp(logp_k)), rescue
+
+
 def _rest_logsumexp(logp: Tensor, tail_logp: Tensor, k_index: Tensor) -> Tensor:
     """log(Σ_{i∈S∖{k}} p_i + p_T) as a log-sum-exp, [N]."""
     if torch.compiler.is_compiling():  # a select fuses; inductor writes a scatter's copy first

@@ -82,18 +82,23 @@ def first_true_reference(mask: Tensor) -> tuple[Tensor, Tensor]:
     return mask.any(dim=1), torch.tensor(index, dtype=torch.int64, device=mask.device)
 
 
-def head_log_mass(logp: Tensor) -> Tensor:
+def head_log_mass(logp: Tensor, *, for_tail: bool = False) -> Tensor:
     """log Σ_j exp(logp_j) per row ([N, m] → [N]), −inf for an empty row.
 
     log(Σ exp) is exact enough while the sum is far from underflow (a head holding μ's top token
     has mass ≥ 1/n); rows below e⁻⁶⁰ fall back to ``logsumexp``: eagerly only when a row needs
-    it, compiled always (fused into the same pass over the row). Compiled code keeps log(Σ exp)
-    too, though ``logsumexp`` alone would save an exp: μ_T = 1 − e^head is ill-conditioned where
-    the head holds nearly all the mass, and a different rounding of the head moves log μ_T by up
-    to log 2 there (measured), so both paths round the head alike."""
+    it, compiled always (fused into the same pass, at a second exp per entry). With `for_tail`
+    the caller wants only log μ_T = log1mexp(head), which is −e^head there, within 1e-26 of 0
+    whatever the head's rounding: no fallback (eager and compiled alike), and a sum that
+    underflowed (log → −inf) gives log μ_T = 0 exactly. Compiled code keeps log(Σ exp) too,
+    though ``logsumexp`` alone would save an exp: μ_T = 1 − e^head is ill-conditioned where the
+    head holds nearly all the mass, and a different rounding of the head moves log μ_T by up to
+    log 2 there (measured), so both paths round the head alike."""
     if logp.shape[1] == 0:
         return logp.new_full((logp.shape[0],), _NEG_INF)
     head = torch.log(torch.exp(logp).sum(dim=1))
+    if for_tail:
+        return head
     small = head < -60.0  # also catches a sum that underflowed to 0 (log → −inf)
     if when(any_true(small)):
         head = torch.where(small, torch.logsumexp(logp, dim=1), head)
@@ -107,18 +112,23 @@ def head_log_mass_reference(logp: Tensor) -> Tensor:
 def any_duplicate(ids: Tensor) -> Tensor:
     """0-d bool: some row of ids ([N, m] integer, negative = padding) holds a real id twice.
 
-    Eager: one sort per row (of int32 ids when the vocabulary allows), then neighbours. Compiled: the m(m − 1)/2 column pairs, fused
-    into one pass over each row, with each column's padding mapped to its own negative number so
-    that two pads never match and the pair test stays a single compare."""
+    Each column j is compared with column j + s for every shift s = 1 … m − 1 (all m(m − 1)/2
+    pairs), with a negative entry of column j mapped to −1 − j so that two pads never match and
+    each pair test stays one compare. Eager: on the transposed block, so that each shift is one
+    compare over contiguous memory (measured on [65536, 20] int32, one thread: 5.8 ms, against
+    17.7 ms for a sort of each row then neighbours). Compiled: the pairs fused into one pass."""
     m = ids.shape[1]
-    if m < 2:
+    if m < 2 or ids.shape[0] == 0:
         return torch.zeros((), dtype=torch.bool, device=ids.device)
     if not torch.compiler.is_compiling():
-        srt = torch.sort(ids, dim=1).values
-        same = srt[:, 1:] == srt[:, :-1]
-        if not bool(any_true(same)):
-            return torch.zeros((), dtype=torch.bool, device=ids.device)
-        return any_true(same & (srt[:, 1:] >= 0))  # two pads are no duplicate
+        cols = ids.T.contiguous()
+        if int(cols.min()) < 0:
+            pad = -1 - torch.arange(m, device=ids.device, dtype=cols.dtype)
+            cols = torch.where(cols < 0, pad[:, None], cols)
+        found = torch.zeros((), dtype=torch.uint8, device=ids.device)
+        for s in range(1, m):
+            torch.maximum(found, (cols[s:] == cols[:-s]).view(torch.uint8).amax(), out=found)
+        return found > 0
     cols = [torch.where(ids[:, j] >= 0, ids[:, j], -1 - j) for j in range(m)]
     dup = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for i in range(m - 1):
@@ -161,10 +171,16 @@ def _pairs_in_order(a: Tensor, b: Tensor, left: Tensor, right: Tensor) -> Tensor
 
 
 def rows_out_of_order(ids: Tensor, logp: Tensor) -> Tensor:
-    """[N] bool: the rows ``rows_ordered`` rejects (the rare path: eager, one pass)."""
+    """[N] bool: the rows ``rows_ordered`` rejects (the rare path, eager). Only rows where strict
+    descent fails somewhere (a tie, padding, or a rise) can be out of order: the full test runs on
+    those alone."""
+    out = torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
     if logp.shape[1] < 2:
-        return torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
-    return ~_pairs_in_order(logp[:, :-1], logp[:, 1:], ids[:, :-1], ids[:, 1:]).all(dim=1)
+        return out
+    rows = torch.unique(torch.nonzero(~(logp[:, :-1] > logp[:, 1:]))[:, 0])
+    ids, logp = ids[rows], logp[rows]
+    out[rows] = ~_pairs_in_order(logp[:, :-1], logp[:, 1:], ids[:, :-1], ids[:, 1:]).all(dim=1)
+    return out
 
 
 def rows_ordered_reference(ids: Tensor, logp: Tensor) -> Tensor:

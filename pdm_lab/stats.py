@@ -7,10 +7,11 @@ import torch
 from torch import Tensor
 
 from .compiled import maybe_compiled
+from .rowops import any_true
 from .direction import DDOT_ESTIMATORS, TailView, ddot, ddot_head, ddot_interval, tail_live
 from .divergence import binary_kl, binary_tv, full_kl, topk_kl, topk_tv
 from .errors import PDMInputError, check_same
-from .numerics import rest_logmass
+from .numerics import rest_logmass, rest_logmass_from_probs
 from .policy_side import PolicyOnSupport, exact_tail_term
 from .support import Support
 
@@ -52,12 +53,13 @@ def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tai
     head = ddot_head(mu_logp, pi_logp, k_index, mu=mu, pi=pi, diff=diff)
     lower, upper = ddot_interval(head, view, torch.exp(mu_kth_logp))
     log_ratio = pi_logp_k - mu_logp_k
+    mu_rest, mu_rescue = rest_logmass_from_probs(mu_logp_k, mu, view.mu_tail, k_index)
+    pi_rest, pi_rescue = rest_logmass_from_probs(pi_logp_k, pi, pi_tail, k_index)
     out = {
         "topk_kl": topk_kl(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, mu=mu),
         "topk_tv": topk_tv(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, diff=diff),
-        "binary_kl": binary_kl(mu_logp_k, pi_logp_k,
-                               mu_rest_logp=rest_logmass(mu_logp, mu_tail_logp, k_index),
-                               pi_rest_logp=rest_logmass(pi_logp, pi_tail_logp, k_index)),
+        "binary_kl": binary_kl(mu_logp_k, pi_logp_k, mu_rest_logp=mu_rest, pi_rest_logp=pi_rest),
+        "rest_rescue": mu_rescue | pi_rescue,
         "binary_tv": binary_tv(mu_logp_k, pi_logp_k),
         "log_ratio": log_ratio,
         "ratio": torch.exp(log_ratio),
@@ -70,6 +72,14 @@ def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tai
         if name != "exact" or exact_tail is not None:
             out[f"ddot_{name}"] = ddot(head, view, name)
     return out
+
+
+def _binary_kl_exact(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor,
+                     k_index: Tensor) -> Tensor:
+    """DPPO's binary KL with the rests from ``rest_logmass`` (log-sum-exps): rows it rescues."""
+    pick = lambda x: x.gather(1, k_index[:, None])[:, 0]
+    return binary_kl(pick(mu_logp), pick(pi_logp), mu_rest_logp=rest_logmass(mu_logp, mu_tail_logp, k_index),
+                     pi_rest_logp=rest_logmass(pi_logp, pi_tail_logp, k_index))
 
 
 @torch.no_grad()
@@ -100,5 +110,11 @@ def token_stats(support: Support, pi: PolicyOnSupport, *, mu_full: Tensor | None
     out = math(support.mu_logp.to(dtype), pi_logp, support.mu_tail_logp.to(dtype),
                pi.tail_logp.to(dtype), pi.tail_log_sumsq.to(dtype), support.k_index,
                support.tail_count, support.mu_kth_logp.to(dtype), exact)
+    rescue = out.pop("rest_rescue")
+    if bool(any_true(rescue)):  # a rest mass near underflow: those rows' binary KL exactly
+        rows = torch.nonzero(rescue)[:, 0]
+        out["binary_kl"][rows] = _binary_kl_exact(support.mu_logp[rows].to(dtype), pi_logp[rows],
+                                                  support.mu_tail_logp[rows].to(dtype), pi.tail_logp[rows].to(dtype),
+                                                  support.k_index[rows])
     ddot_values = {name: out.pop(f"ddot_{name}") for name in DDOT_ESTIMATORS if f"ddot_{name}" in out}
     return TokenStats(full_kl=full, ddot=ddot_values, **out)

@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 
 from . import support_checks as checks
-from .compiled import maybe_compiled
+from .compiled import BLOCK_ROWS, maybe_compiled
 from .errors import logp_tolerance
 from .numerics import log1mexp, masked_logsumexp
-from .rowops import (all_true, any_duplicate, append_column, first_true, head_log_mass, order_rows, rows_ordered,
-                     rows_out_of_order, when)
+from .rowops import (all_true, any_duplicate, any_true, append_column, first_true, head_log_mass, order_rows,
+                     rows_ordered, rows_out_of_order, when)
 from .support_checks import CONVENTIONS  # noqa: F401  (re-exported: the conventions' names)
 
 _NEG_INF = float("-inf")
@@ -183,7 +183,7 @@ def _engine_math(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_l
         kth = top_logp.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
     size = count + (~in_top).long() if convention == "union" else count.clamp(min=1)
     tail_count = vocab_size - size
-    head = head_log_mass(mu_logp)
+    head = head_log_mass(mu_logp, for_tail=True)  # only log1mexp(head) is used
     # the engine's top-K ids are range-checked as given (narrowing could wrap a bad id)
     bad_support = checks.support_flag(
         top_ids, sampled, vocab_size, duplicate=any_duplicate(ids[:, :width]),
@@ -204,7 +204,7 @@ def _slots_math(ids: Tensor, mu_logp: Tensor, sampled: Tensor, mu_tail_logp: Ten
         mu_logp = mu_logp.masked_fill(~valid, _NEG_INF)
     has_k, k_index = first_true(ids == sampled[:, None])
     mu_logp_k = mu_logp.gather(1, k_index[:, None])[:, 0]
-    head = head_log_mass(mu_logp)
+    head = head_log_mass(mu_logp, for_tail=True)  # only log1mexp(head) is used
     size = valid.sum(dim=1)
     tail_count = vocab_size - size
     tail = tail_from_head(head, tail_count) if mu_tail_logp is None else \
@@ -258,13 +258,24 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
         if bad_logp:
             checks.raise_engine_logp_error(top_logp, sampled_logp)
         if unordered:  # rollout engines usually return rows in order: only the rows that are not
-            # (a tie broken to the higher id, common with bf16 log-probs) are sorted
+            # (a tie broken to the higher id, common with bf16 log-probs) are sorted and redone
             rows = torch.nonzero(rows_out_of_order(top_ids, top_logp))[:, 0]
             sub_ids, sub_logp = order_rows(top_ids[rows], top_logp[rows])
-            top_ids, top_logp = top_ids.index_copy(0, rows, sub_ids), top_logp.index_copy(0, rows, sub_logp)
-            # keep again: blanking is idempotent, and the compiled graph stays the same
-            out = math(top_ids, top_logp, sampled, sampled_logp, keep, vocab_size, k, convention)
-            _, _, bad_support, extra_used = out.pop("flags").tolist()
+            # a handful of rows runs eagerly: a compiled graph specialises (recompiles) on one row
+            redo = math if rows.numel() > BLOCK_ROWS else maybe_compiled(_engine_math, False)
+            sub = redo(sub_ids, sub_logp, sampled[rows], sampled_logp[rows],
+                       None if keep is None else keep[rows], vocab_size, k, convention)
+            _, _, sub_bad, _ = sub.pop("flags").tolist()
+            if bad_support or sub_bad:  # the error path; pass one's flag may come from a row out of
+                # order, so the whole batch is redone in order to find the first bad row
+                top_ids, top_logp = top_ids.index_copy(0, rows, sub_ids), top_logp.index_copy(0, rows, sub_logp)
+                out = math(top_ids, top_logp, sampled, sampled_logp, keep, vocab_size, k, convention)
+                _, _, bad_support, extra_used = out.pop("flags").tolist()
+            else:  # every row passed: the rows redone replace theirs
+                for field in _FIELDS:  # in place: the math's outputs are its own (≥ 2 columns here)
+                    out[field].index_copy_(0, rows, sub[field])
+                # whether k ∉ TopK somewhere depends on the order of a cut row: read it off S
+                extra_used = convention == "union" and bool(any_true(out["ids"][:, -1] >= 0))
         if bad_support:
             checks.raise_support_error(out["ids"], out["mu_logp"], sampled, vocab_size, out["tail_count"],
                                        range_ids=top_ids[:, :k], sampled_logp=sampled_logp)

@@ -187,3 +187,70 @@ def test_support_with_a_row_out_of_order_equals_the_ordered_rows():
     want = support_from_topk(ref_ids, ref_logp, inp["sampled"], sampled_logp, **args)
     assert torch.equal(got.ids, want.ids) and torch.equal(got.mu_logp, want.mu_logp)
     assert torch.equal(got.k_index, want.k_index)
+
+
+@given(seed=st.integers(0, 10**6), width=st.integers(2, 24), plant=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_any_duplicate_on_distinct_rows_with_padding(seed, width, plant):
+    """Rows of distinct ids with padding (several pads per row never match each other): False
+    until one real id is copied into another slot of its row."""
+    gen = torch.Generator().manual_seed(seed)
+    n_rows = 30
+    ids = torch.argsort(torch.rand(n_rows, 100, generator=gen), dim=1)[:, :width].int()
+    ids[torch.rand(n_rows, width, generator=gen) < 0.3] = -1
+    if plant:
+        row = int(torch.randint(0, n_rows, (1,), generator=gen))
+        a, b = sorted(torch.randperm(width, generator=gen)[:2].tolist())
+        ids[row, a] = ids[row, b] = 7 + width  # a real id twice (≥ 0, maybe already in the row)
+    assert bool(rowops.any_duplicate(ids)) == bool(rowops.any_duplicate_reference(ids)) == plant
+
+
+def _partly_shuffled(seed: int, n_rows: int, width: int, vocab: int = 60, in_top: int | None = None):
+    """Engine rows of μ's top-`width`, with ties, a fraction of them shuffled (out of order);
+    `in_top`: k drawn from each row's first `in_top` tokens in order (else sampled from μ)."""
+    gen = torch.Generator().manual_seed(seed)
+    mu = torch.log_softmax(torch.randint(0, 5, (n_rows, vocab), generator=gen).double(), dim=1)  # ties
+    vals, ids = torch.sort(mu, dim=1, descending=True, stable=True)
+    ids, vals = ids[:, :width].clone(), vals[:, :width].clone()
+    sampled = sample_from(mu, seed) if in_top is None else \
+        ids.gather(1, torch.randint(0, in_top, (n_rows, 1), generator=gen))[:, 0]
+    shuffled = torch.rand(n_rows, generator=gen) < 0.3
+    perm = torch.argsort(torch.rand(n_rows, width, generator=gen), dim=1)
+    ids = torch.where(shuffled[:, None], ids.gather(1, perm), ids)
+    vals = torch.where(shuffled[:, None], vals.gather(1, perm), vals)
+    return ids, vals, sampled, mu.gather(1, sampled[:, None])[:, 0], vocab
+
+
+@given(seed=st.integers(0, 10**6), width=st.integers(2, 9), cut=st.integers(0, 3),
+       convention=st.sampled_from(["union", "kslot"]), masked=st.booleans(), k_in_top=st.booleans())
+@settings(max_examples=80, deadline=None)
+def test_rows_out_of_order_are_redone_alone(seed, width, cut, convention, masked, k_in_top):
+    """Some rows out of order (K' ≥ K, so the cut at K depends on the order): the support equals
+    the one built from rows the reference ordered first, with the same extra slot (`k_in_top`: no
+    row in order needs it, but a row out of order seems to before it is ordered)."""
+    k = max(1, width - cut)
+    ids, vals, sampled, sampled_logp, vocab = _partly_shuffled(seed, 40, width, in_top=k if k_in_top else None)
+    keep = torch.rand(40, generator=torch.Generator().manual_seed(seed + 1)) < 0.9 if masked else None
+    ref_ids, ref_vals = rowops.order_rows_reference(ids, vals)
+    build = lambda i, v: support_from_topk(i, v, sampled, sampled_logp, vocab_size=vocab, k=k,
+                                           convention=convention, row_mask=keep, compiled=False)
+    got, want = build(ids, vals), build(ref_ids, ref_vals)
+    for f in ("ids", "k_index", "tail_count", "mu_logp", "mu_tail_logp", "mu_kth_logp"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
+@pytest.mark.parametrize("bad_row", [0, 1])
+def test_a_bad_row_beside_rows_out_of_order_names_the_same_position(bad_row):
+    """A duplicate id in a row in order (0) or out of order (1), beside other rows out of order:
+    the same message as for the batch given in order."""
+    ids, vals, sampled, sampled_logp, vocab = _partly_shuffled(3, 40, 6)
+    ref_ids, ref_vals = rowops.order_rows_reference(ids, vals)
+    out_of_order = rowops.rows_out_of_order(ids, vals)
+    row = int(torch.nonzero(out_of_order == bool(bad_row))[0, 0])
+    messages = []
+    for i, v in ((ids.clone(), vals), (ref_ids.clone(), ref_vals)):
+        i[row, i[row] != sampled[row]] = int(i[row][i[row] != sampled[row]][0])  # one id, repeated
+        with pytest.raises(PDMInputError) as err:
+            support_from_topk(i, v, sampled, sampled_logp, vocab_size=vocab, k=4, compiled=False)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1] and f"in row {row}" in messages[0]
