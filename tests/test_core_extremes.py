@@ -163,3 +163,26 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
+def test_binary_kl_with_a_rest_below_float_underflow_is_rescued(compiled):
+    # π's rest 7·e⁻¹¹⁰ ≈ 1.2e-47 is below even float32's denormals: the plain sum of the rest's
+    # probabilities (the fast path) underflowed to 0 (KL +inf), so the row is redone by log-sum-exp
+    from pdm_lab.numerics import rest_logmass_from_probs
+    from pdm_lab.stats import token_stats
+
+    n = 8
+    mu_z, pi_z = torch.full((1, n), -10.0), torch.full((1, n), -110.0)
+    mu_z[0, 0] = pi_z[0, 0] = 0.0
+    mu, pi = torch.log_softmax(mu_z, -1), torch.log_softmax(pi_z, -1)
+    support = support_from_full(mu, torch.tensor([0]), k=3)
+    pol = policy_on_support(pi, support.ids)
+    _, rescue = rest_logmass_from_probs(pol.logp[:, 0].detach(), torch.exp(pol.logp.detach()),
+                                        torch.exp(pol.tail_logp), support.k_index)
+    assert rescue.tolist() == [True]  # the fast path alone would not do
+    got = token_stats(support, pol, compiled=compiled).binary_kl.item()
+    mpmath.mp.dps = 60
+    m0, p0 = 1 / (1 + 7 * mpmath.e ** -10), 1 / (1 + 7 * mpmath.e ** -110)
+    want = float(m0 * mpmath.log(m0 / p0) + (1 - m0) * mpmath.log((1 - m0) / (1 - p0)))
+    assert math.isfinite(got) and got == pytest.approx(want, rel=1e-3)
