@@ -144,15 +144,16 @@ def _blank_rows(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_lo
 
 
 def _engine_rows(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_logp: Tensor,
-                 keep: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 keep: Tensor | None, vocab_size: int | None = None) -> tuple[Tensor, ...]:
     """The engine's rows as the support sees them: blanked outside `keep`, padding (id < 0) at
-    log-prob −inf. Also returns has_pads (0-d bool)."""
+    log-prob −inf. Also returns has_pads and range_bad (0-d bools: some id < 0, some id outside
+    [−1, vocab_size) or below −1 without it), from one read of the ids."""
     if keep is not None:
         topk_ids, topk_logp, sampled, sampled_logp = _blank_rows(topk_ids, topk_logp, sampled, sampled_logp, keep)
-    has_pads = checks.outside(topk_ids, 0)  # one read; no [N, K'] bool eagerly
+    has_pads, range_bad = checks.pads_and_range(topk_ids, vocab_size)  # no [N, K'] bool eagerly
     if when(has_pads):
         topk_logp = topk_logp.masked_fill(topk_ids < 0, _NEG_INF)
-    return topk_ids, topk_logp, sampled, sampled_logp, has_pads
+    return topk_ids, topk_logp, sampled, sampled_logp, has_pads, range_bad
 
 
 def _engine_math(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_logp: Tensor,
@@ -164,8 +165,8 @@ def _engine_math(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_l
     extra slot). The support is computed as if every row were ordered; the caller orders the rows
     and calls again when one is not. Values in bad rows are meaningless; the caller raises.
     """
-    topk_ids, topk_logp, sampled, sampled_logp, has_pads = _engine_rows(
-        topk_ids, topk_logp, sampled, sampled_logp, keep)
+    topk_ids, topk_logp, sampled, sampled_logp, has_pads, range_bad = _engine_rows(
+        topk_ids, topk_logp, sampled, sampled_logp, keep, vocab_size)
     bad_logp = checks.logp_flag(topk_logp) | checks.logp_flag(sampled_logp, allow_neg_inf=False)
     top_ids, top_logp = topk_ids[:, :k], topk_logp[:, :k]
     width = top_ids.shape[1]
@@ -189,7 +190,8 @@ def _engine_math(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_l
         top_ids, sampled, vocab_size, duplicate=any_duplicate(ids[:, :width]),
         has_k=in_top | (convention == "union" or width > 0), mu_logp_bad=torch.zeros_like(bad_logp),
         mu_logp_k=mu_logp_k, head=head, tail_count=tail_count,
-        contradicts=checks.sampled_logp_contradicts(mu_logp_k, sampled_logp))
+        contradicts=checks.sampled_logp_contradicts(mu_logp_k, sampled_logp),
+        range_bad=range_bad if width == topk_ids.shape[1] else None)  # else only the first K are S's
     return {"ids": ids, "k_index": k_index, "mu_logp": mu_logp,
             "mu_tail_logp": tail_from_head(head, tail_count), "mu_kth_logp": kth, "tail_count": tail_count,
             "flags": torch.stack([bad_logp, ~rows_ordered(topk_ids, topk_logp), bad_support, ~all_true(in_top)])}
@@ -254,7 +256,7 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
     out = math(*inputs, vocab_size, k, convention)
     bad_logp, unordered, bad_support, extra_used = out.pop("flags").tolist()
     if bad_logp or unordered or bad_support:  # the rare paths: eager, detailed
-        top_ids, top_logp, sampled, sampled_logp, _ = _engine_rows(*inputs)
+        top_ids, top_logp, sampled, sampled_logp, _, _ = _engine_rows(*inputs)
         if bad_logp:
             checks.raise_engine_logp_error(top_logp, sampled_logp)
         if unordered:  # rollout engines usually return rows in order: only the rows that are not

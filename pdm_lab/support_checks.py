@@ -103,6 +103,17 @@ def outside(x: Tensor, low: int, high: int | None = None) -> Tensor:
     return torch.tensor(lo < low or (high is not None and hi >= high), device=x.device)
 
 
+def pads_and_range(ids: Tensor, high: int | None) -> tuple[Tensor, Tensor]:
+    """0-d bools (some id < 0: padding, some id outside [−1, high)) of the integer tensor ids
+    (high None: no upper bound); eagerly from one read (``aminmax``), where two ``outside``
+    calls would read it twice."""
+    if ids.numel() == 0 or torch.compiler.is_compiling():
+        return outside(ids, 0), outside(ids, -1, high)
+    lo, hi = (int(v) for v in torch.aminmax(ids))
+    return (torch.tensor(lo < 0, device=ids.device),
+            torch.tensor(lo < -1 or (high is not None and hi >= high), device=ids.device))
+
+
 def logp_flag(logp: Tensor, *, allow_neg_inf: bool = True) -> Tensor:
     """0-d bool: `check_logp` would raise (NaN, +inf or above 0 beyond rounding; −inf if barred)."""
     tol = logp_tolerance(logp.dtype)
@@ -126,10 +137,13 @@ def sampled_logp_contradicts(mu_logp_k: Tensor, sampled_logp: Tensor) -> Tensor:
 
 def support_flag(ids: Tensor, sampled: Tensor, vocab_size: int, *, duplicate: Tensor, has_k: Tensor,
                  mu_logp_bad: Tensor, mu_logp_k: Tensor, head: Tensor, tail_count: Tensor,
-                 mu_tail_logp: Tensor | None = None, contradicts: Tensor | None = None) -> Tensor:
+                 mu_tail_logp: Tensor | None = None, contradicts: Tensor | None = None,
+                 range_bad: Tensor | None = None) -> Tensor:
     """0-d bool: some row fails a check of `raise_support_error` (NaN fails each ``<=``). `ids`: the
-    ids whose range is checked, in the caller's dtype (before any narrowing to int32)."""
-    bad = outside(ids, -1, vocab_size) | outside(sampled, 0, vocab_size) | duplicate | ~all_true(has_k)
+    ids whose range is checked, in the caller's dtype (before any narrowing to int32); range_bad:
+    that check's flag when the caller has it already (``pads_and_range``)."""
+    range_bad = outside(ids, -1, vocab_size) if range_bad is None else range_bad
+    bad = range_bad | outside(sampled, 0, vocab_size) | duplicate | ~all_true(has_k)
     bad = bad | mu_logp_bad | any_true(mu_logp_k == _NEG_INF) | logp_flag(head)
     if mu_tail_logp is not None:
         bad = bad | logp_flag(mu_tail_logp)
