@@ -144,24 +144,8 @@ def any_duplicate_reference(ids: Tensor) -> Tensor:
 
 def rows_ordered(ids: Tensor, logp: Tensor) -> Tensor:
     """0-d bool: every row ([N, m] ids, logp; padding id < 0 with logp −inf) is ordered by logp
-    descending, ties to the lower id, padding last: the order of μ's top-K (SPEC §2).
-
-    Eager first tests strict descent (two cheap passes, the usual engine row); only rows with ties
-    or padding need the full test, which is what compiled code always fuses."""
-    if logp.shape[1] < 2:
-        return torch.ones((), dtype=torch.bool, device=logp.device)
-    a, b = logp[:, :-1], logp[:, 1:]
-    if not torch.compiler.is_compiling():
-        descent = a > b
-        if bool(all_true(descent)):
-            return torch.ones((), dtype=torch.bool, device=logp.device)
-        # every violation of the full test sits where a > b fails (a pad holds −inf): test there only
-        row, col = (~descent).nonzero(as_tuple=True)
-        a, b = a[row, col], b[row, col]
-        left, right = ids[row, col], ids[row, col + 1]
-    else:
-        left, right = ids[:, :-1], ids[:, 1:]
-    return all_true(_pairs_in_order(a, b, left, right))
+    descending, ties to the lower id, padding last: the order of μ's top-K (SPEC §2)."""
+    return ~any_true(rows_out_of_order(ids, logp))
 
 
 def _pairs_in_order(a: Tensor, b: Tensor, left: Tensor, right: Tensor) -> Tensor:
@@ -171,15 +155,20 @@ def _pairs_in_order(a: Tensor, b: Tensor, left: Tensor, right: Tensor) -> Tensor
 
 
 def rows_out_of_order(ids: Tensor, logp: Tensor) -> Tensor:
-    """[N] bool: the rows ``rows_ordered`` rejects (the rare path, eager). Only rows where strict
-    descent fails somewhere (a tie, padding, or a rise) can be out of order: the full test runs on
-    those alone."""
-    out = torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
+    """[N] bool: the rows not in μ's top-K order (see ``rows_ordered``).
+
+    Eager: only rows where strict descent fails somewhere (a tie, padding, or a rise; the usual
+    engine row has none) can be out of order, and the full test runs on those alone. Compiled:
+    the full test on every row, fused."""
     if logp.shape[1] < 2:
-        return out
+        return torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
+    if torch.compiler.is_compiling():
+        return ~_pairs_in_order(logp[:, :-1], logp[:, 1:], ids[:, :-1], ids[:, 1:]).all(dim=1)
+    out = torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
     rows = torch.unique(torch.nonzero(~(logp[:, :-1] > logp[:, 1:]))[:, 0])
-    ids, logp = ids[rows], logp[rows]
-    out[rows] = ~_pairs_in_order(logp[:, :-1], logp[:, 1:], ids[:, :-1], ids[:, 1:]).all(dim=1)
+    if rows.numel() > 0:
+        ids, logp = ids[rows], logp[rows]
+        out[rows] = ~_pairs_in_order(logp[:, :-1], logp[:, 1:], ids[:, :-1], ids[:, 1:]).all(dim=1)
     return out
 
 

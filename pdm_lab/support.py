@@ -25,7 +25,7 @@ from .compiled import BLOCK_ROWS, maybe_compiled
 from .errors import logp_tolerance
 from .numerics import log1mexp, masked_logsumexp
 from .rowops import (all_true, any_duplicate, any_true, append_column, first_true, head_log_mass, order_rows,
-                     rows_ordered, rows_out_of_order, when)
+                     rows_out_of_order, when)
 from .support_checks import CONVENTIONS  # noqa: F401  (re-exported: the conventions' names)
 
 _NEG_INF = float("-inf")
@@ -160,14 +160,16 @@ def _engine_math(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_l
                  keep: Tensor | None, vocab_size: int, k: int, convention: str) -> dict[str, Tensor]:
     """The tensor math of ``support_from_topk`` (arguments as there).
 
-    Returns the tensor fields of `Support` by name and ``flags``: [4] bool, read back once —
-    (a bad engine log-prob, a row out of order, a bad support row, some row uses the ``union``
-    extra slot). The support is computed as if every row were ordered; the caller orders the rows
-    and calls again when one is not. Values in bad rows are meaningless; the caller raises.
+    Returns the tensor fields of `Support` by name, ``unordered`` ([N] bool: the rows out of
+    order) and ``flags``: [4] bool, read back once — (a bad engine log-prob, a row out of order,
+    a bad support row, some row uses the ``union`` extra slot). The support is computed as if
+    every row were ordered; the caller orders the rows out of order and redoes them. Values in
+    bad rows are meaningless; the caller raises.
     """
     topk_ids, topk_logp, sampled, sampled_logp, has_pads, range_bad = _engine_rows(
         topk_ids, topk_logp, sampled, sampled_logp, keep, vocab_size)
     bad_logp = checks.logp_flag(topk_logp) | checks.logp_flag(sampled_logp, allow_neg_inf=False)
+    unordered = rows_out_of_order(topk_ids, topk_logp)
     top_ids, top_logp = topk_ids[:, :k], topk_logp[:, :k]
     width = top_ids.shape[1]
     in_top, pos = first_true(top_ids == sampled[:, None])
@@ -194,7 +196,8 @@ def _engine_math(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sampled_l
         range_bad=range_bad if width == topk_ids.shape[1] else None)  # else only the first K are S's
     return {"ids": ids, "k_index": k_index, "mu_logp": mu_logp,
             "mu_tail_logp": tail_from_head(head, tail_count), "mu_kth_logp": kth, "tail_count": tail_count,
-            "flags": torch.stack([bad_logp, ~rows_ordered(topk_ids, topk_logp), bad_support, ~all_true(in_top)])}
+            "unordered": unordered,
+            "flags": torch.stack([bad_logp, any_true(unordered), bad_support, ~all_true(in_top)])}
 
 
 def _slots_math(ids: Tensor, mu_logp: Tensor, sampled: Tensor, mu_tail_logp: Tensor | None,
@@ -254,33 +257,41 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
     inputs = (topk_ids, topk_logp, sampled, sampled_logp, keep)
     math = maybe_compiled(_engine_math, False if topk_ids.shape[0] == 0 else compiled, row_blocks=True)
     out = math(*inputs, vocab_size, k, convention)
+    out_of_order = out.pop("unordered")
     bad_logp, unordered, bad_support, extra_used = out.pop("flags").tolist()
-    if bad_logp or unordered or bad_support:  # the rare paths: eager, detailed
-        top_ids, top_logp, sampled, sampled_logp, _, _ = _engine_rows(*inputs)
-        if bad_logp:
-            checks.raise_engine_logp_error(top_logp, sampled_logp)
-        if unordered:  # rollout engines usually return rows in order: only the rows that are not
-            # (a tie broken to the higher id, common with bf16 log-probs) are sorted and redone
-            rows = torch.nonzero(rows_out_of_order(top_ids, top_logp))[:, 0]
-            sub_ids, sub_logp = order_rows(top_ids[rows], top_logp[rows])
-            # a handful of rows runs eagerly: a compiled graph specialises (recompiles) on one row
-            redo = math if rows.numel() > BLOCK_ROWS else maybe_compiled(_engine_math, False)
-            sub = redo(sub_ids, sub_logp, sampled[rows], sampled_logp[rows],
-                       None if keep is None else keep[rows], vocab_size, k, convention)
-            _, _, sub_bad, _ = sub.pop("flags").tolist()
-            if bad_support or sub_bad:  # the error path; pass one's flag may come from a row out of
-                # order, so the whole batch is redone in order to find the first bad row
-                top_ids, top_logp = top_ids.index_copy(0, rows, sub_ids), top_logp.index_copy(0, rows, sub_logp)
-                out = math(top_ids, top_logp, sampled, sampled_logp, keep, vocab_size, k, convention)
-                _, _, bad_support, extra_used = out.pop("flags").tolist()
-            else:  # every row passed: the rows redone replace theirs
-                for field in _FIELDS:  # in place: the math's outputs are its own (≥ 2 columns here)
-                    out[field].index_copy_(0, rows, sub[field])
-                # whether k ∉ TopK somewhere depends on the order of a cut row: read it off S
-                extra_used = convention == "union" and bool(any_true(out["ids"][:, -1] >= 0))
-        if bad_support:
-            checks.raise_support_error(out["ids"], out["mu_logp"], sampled, vocab_size, out["tail_count"],
-                                       range_ids=top_ids[:, :k], sampled_logp=sampled_logp)
+    if bad_logp:
+        _, engine_logp, _, engine_sampled_logp, _, _ = _engine_rows(*inputs)
+        checks.raise_engine_logp_error(engine_logp, engine_sampled_logp)
+    if unordered:  # rollout engines usually return rows in order: only the rows that are not
+        # (a tie broken to the higher id, common with bf16 log-probs) are sorted and redone
+        rows = torch.nonzero(out_of_order)[:, 0]
+        sub_keep = None if keep is None else keep[rows]
+        sub_ids, sub_logp, sub_sampled, sub_sampled_logp, _, _ = _engine_rows(
+            topk_ids[rows], topk_logp[rows], sampled[rows], sampled_logp[rows], sub_keep)
+        sub_ids, sub_logp = order_rows(sub_ids, sub_logp)
+        # a handful of rows runs eagerly: a compiled graph specialises (recompiles) on one row
+        redo = math if rows.numel() > BLOCK_ROWS else maybe_compiled(_engine_math, False)
+        sub = redo(sub_ids, sub_logp, sub_sampled, sub_sampled_logp, sub_keep, vocab_size, k, convention)
+        sub.pop("unordered")
+        sub_bad = sub.pop("flags").tolist()[2]
+        if bad_support or sub_bad:  # the error path: pass one's flag may come from a row out of
+            # order, so the whole batch is redone in order, to name the first bad row
+            top_ids, top_logp, all_sampled, all_sampled_logp, _, _ = _engine_rows(*inputs)
+            top_ids, top_logp = top_ids.index_copy(0, rows, sub_ids), top_logp.index_copy(0, rows, sub_logp)
+            out = math(top_ids, top_logp, all_sampled, all_sampled_logp, keep, vocab_size, k, convention)
+            out.pop("unordered")
+            bad_support, extra_used = out.pop("flags").tolist()[2:]
+        else:  # every row passed: the rows redone replace theirs
+            for field in _FIELDS:  # in place: the math's outputs are its own (≥ 2 columns here)
+                out[field].index_copy_(0, rows, sub[field])
+            # whether k ∉ TopK somewhere depends on the order of a cut row: read it off S
+            extra_used = convention == "union" and bool(any_true(out["ids"][:, -1] >= 0))
+    if bad_support:
+        top_ids, _, all_sampled, all_sampled_logp, _, _ = _engine_rows(*inputs)
+        if unordered:
+            top_ids = top_ids.index_copy(0, rows, sub_ids)
+        checks.raise_support_error(out["ids"], out["mu_logp"], all_sampled, vocab_size, out["tail_count"],
+                                   range_ids=top_ids[:, :k], sampled_logp=all_sampled_logp)
     if convention == "union" and min(k, topk_ids.shape[1]) > 0 and not extra_used:
         out.update({f: out[f][:, :-1] for f in ("ids", "mu_logp")})  # no row needs the extra slot
     return _support(out, vocab_size)

@@ -44,8 +44,10 @@ def test_bench_json_small():
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)
     assert all({"name", "value", "unit", "reference", "ratio", "target"} <= set(r) for r in rows)
-    # eager only: 2 pipeline rows, then memory + time for forward and fwd+bwd of the chunked gather
-    assert [r["unit"] for r in rows] == ["Mtok/s", "Mtok/s", "MB", "ms", "MB", "ms"]
+    # eager only: 2 pipeline rows, the same 2 against the reference without fresh memory, then
+    # memory + time for forward and fwd+bwd of the chunked gather
+    assert [r["unit"] for r in rows] == ["Mtok/s"] * 4 + ["MB", "ms", "MB", "ms"]
+    assert rows[2]["value"] == rows[0]["value"] and "without fresh memory" in rows[2]["name"]
     for r in rows:  # the ratio is ours ÷ the reference in time or memory (throughput: inverted)
         expected = r["reference"] / r["value"] if r["unit"] == "Mtok/s" else r["value"] / max(r["reference"], 1e-9)
         assert r["ratio"] == pytest.approx(expected, rel=1e-6), r["name"]
