@@ -8,9 +8,11 @@ process (ratios, not absolute seconds, are what carry across machines).
   mul, sum); a compiled one-kernel reference would be faster, so the compiled ratio is lenient.
   Its three [N, K] temporaries are fresh memory each call, and with glibc's default allocator
   their first touch (page faults) can cost more than the arithmetic: the same kernels into
-  buffers allocated once give a second ratio, against the compute floor (measured: the plain
-  reference 3.5× slower than the floor; ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``
-  set high, or jemalloc, remove the difference).
+  buffers allocated once give a second ratio, against the compute floor. Measured on 2 cores at
+  N = 1M: the plain reference about 3× slower than the floor on the defaults, equal to it with
+  ``THP_MEM_ALLOC_ENABLE=1`` (torch's huge-page allocations: 512× fewer faults; the pipeline
+  itself ran 1.2–1.3× faster) or ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` set
+  high. Each row names the allocator settings it ran under.
 * train-side gather at Qwen3's vocabulary (151,936), chunked ``policy_on_support`` against the
   naive ``log_softmax(logits / T).gather(...)``; target: ≤ 1/8 of the naive peak memory at equal
   or better speed. Peak memory is measured as the growth of the peak RSS in a fresh subprocess.
@@ -27,8 +29,8 @@ import sys
 
 import torch
 
-from .benchtools import (alternated_medians, best_of, in_fresh_process, load_average, peak_extra_mb,
-                         policy_like, rollout_like_inputs)
+from .benchtools import (allocator_setting, alternated_medians, best_of, in_fresh_process, load_average,
+                         peak_extra_mb, policy_like, rollout_like_inputs)
 from .config import MaskConfig
 from .loss import pdm_policy_loss
 from .plugins import BENCHMARKS, BENCHMARKS_ON_DEMAND, PluginError, discover, load
@@ -77,7 +79,7 @@ def bench_mask_pipeline(n_tokens: int, k: int, repeat: int, modes=(False, True))
         fns[f"pipeline {compiled}"] = functools.partial(pipeline, compiled)
         fns[f"mask {compiled}"] = functools.partial(mask_only, compiled)
     t = alternated_medians(fns, max(repeat, 1))
-    load = load_average()
+    load, allocator = load_average(), allocator_setting()
     rows = []
     for compiled in modes:
         mode = "compiled" if compiled else "eager"
@@ -87,7 +89,7 @@ def bench_mask_pipeline(n_tokens: int, k: int, repeat: int, modes=(False, True))
                           (f"mask {compiled}", f"  [{mode}] stats+mask+loss+backward (support prebuilt)")):
             rows.append({"name": name, "value": n_tokens / t[key] / 1e6, "unit": "Mtok/s",
                          "reference": n_tokens / t["reference"] / 1e6, "ratio": t[key] / t["reference"],
-                         "target": target, "load": load})
+                         "target": target, "load": load, "allocator": allocator})
     for compiled in modes:
         mode = "compiled" if compiled else "eager"
         for key, what in ((f"pipeline {compiled}", "with support"), (f"mask {compiled}", "support prebuilt")):
@@ -95,7 +97,7 @@ def bench_mask_pipeline(n_tokens: int, k: int, repeat: int, modes=(False, True))
                          "value": n_tokens / t[key] / 1e6, "unit": "Mtok/s",
                          "reference": n_tokens / t["reference floor"] / 1e6,
                          "ratio": t[key] / t["reference floor"], "target": "(the compute floor; no target)",
-                         "load": load})
+                         "load": load, "allocator": allocator})
     return rows
 
 
@@ -158,7 +160,7 @@ def run_core_bench(args: argparse.Namespace) -> list[dict]:
 def print_rows(rows: list[dict]) -> None:
     print(f"{'benchmark':<78} {'value':>10} {'unit':>7} {'reference':>10} {'ratio':>7}  target")
     for r in rows:
-        load = f"  (load {r['load']:.1f})" if "load" in r else ""
+        load = f"  (load {r['load']:.1f}; allocator: {r.get('allocator', 'default')})" if "load" in r else ""
         print(f"{r['name']:<78.78} {r['value']:>10.4g} {r['unit']:>7} {r['reference']:>10.4g} "
               f"{r['ratio']:>7.3g}  {r['target']}{load}")
 

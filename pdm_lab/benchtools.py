@@ -87,6 +87,17 @@ def load_average() -> float:
         return 0.0
 
 
+#: Settings that change how fresh memory is paid for: first touch of a large block (page faults)
+#: dominates an eager reference pass on glibc's defaults (see ``pdm_lab.bench``).
+ALLOCATOR_SETTINGS = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
+
+
+def allocator_setting() -> str:
+    """The allocator settings in this process's environment, or "default"."""
+    found = [f"{key}={os.environ[key]}" for key in ALLOCATOR_SETTINGS if os.environ.get(key)]
+    return ", ".join(found) or "default"
+
+
 def rollout_like_inputs(n_tokens: int, k: int, vocab: int, seed: int = 0, device: str = "cpu") -> dict:
     """What a rollout engine returns for N tokens (top-K sorted by log-prob, ids in no order,
     sampled id inside ~90% of the time) and noise for a matching π on the support, without any [N, V] tensor."""
