@@ -191,6 +191,10 @@ def _trl_child(model_dir: str, data_file: str, mode: str, steps: int, out: str) 
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    if mode == "vllm":  # TRL's weight sync fails on CPUs where vLLM frees packed weights; our
+        from .rollout import keep_cpu_weights_unpacked  # loop computes F.linear on kept weights too
+        keep_cpu_weights_unpacked()
+
     rows = [json.loads(x) for x in Path(data_file).read_text().splitlines()[:512]]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                               for r in rows])

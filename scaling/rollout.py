@@ -43,14 +43,20 @@ def updates_in_place(rollout_cfg) -> bool:
     return rollout_cfg.inplace_sync and not torch.cuda.is_available() and not native_fp8
 
 
-def _keep_cpu_weights_unpacked() -> None:
+def keep_cpu_weights_unpacked() -> None:
     """Make vLLM's CPU linear layers (and the output layer) compute ``F.linear`` from their own
-    weight tensor instead of a oneDNN handle packed from a copy of it.
+    weight tensor instead of a oneDNN handle packed from a copy of it. Call it before the engine
+    is built; idempotent.
 
     vLLM packs each linear's weight into an opaque oneDNN handle after loading and frees the
     weight; a packed handle cannot be updated, so every ``reload_weights`` rebuilds all of them
     (on a tiny model most of the sync). With the weights kept, the sync writes them in place
     (``weight_sync.push_weights``). Layers that are not 2-D matrices keep vLLM's own dispatch.
+
+    It also keeps TRL's colocate mode working on CPU: where vLLM 0.32's oneDNN path is available
+    (seen on an AVX-512 AMD EPYC; not on every CPU), the freed weight is an empty ``Parameter``
+    without a ``weight_loader``, and TRL's weight sync (``load_weights``) fails with
+    AttributeError on its first step.
     """
     from vllm.model_executor.layers import utils
 
@@ -82,7 +88,7 @@ def make_engine(model_dir: str, rollout_cfg, *, k: int, max_model_len: int, seed
     from vllm import LLM
 
     if updates_in_place(rollout_cfg):
-        _keep_cpu_weights_unpacked()
+        keep_cpu_weights_unpacked()
 
     on_gpu = torch.cuda.is_available()
     kwargs = dict(

@@ -196,6 +196,13 @@ def test_pdm_trainer_steps_and_masks_equal_diagnose(tiny_dir, tmp_path, monkeypa
                            "MASTER_PORT": str(_free_port()), "VLLM_CPU_KVCACHE_SPACE": "1",
                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
             monkeypatch.setenv(key, value)
+        # vLLM's CPU dispatch frees each linear's weight where its oneDNN path is available (CPU
+        # dependent), and TRL's weight sync then fails: keep the weights, restored after the test
+        from vllm.model_executor.layers import utils as vllm_layer_utils
+        from pdm_lab.scaling.rollout import keep_cpu_weights_unpacked
+        monkeypatch.setattr(vllm_layer_utils, "dispatch_cpu_unquantized_gemm",
+                            vllm_layer_utils.dispatch_cpu_unquantized_gemm)
+        keep_cpu_weights_unpacked()
     cls = _recording_class()
     trainer = _trainer(tiny_dir, tmp_path, use_vllm=use_vllm, cls=cls)
     trainer.train()
