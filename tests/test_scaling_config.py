@@ -174,8 +174,10 @@ def test_dry_run_layout_must_divide(fake_assets):
         dry_run(cfg)
 
 
-def test_cli_dry_run_as_a_user_runs_it(fake_assets, capsys):
+def test_cli_dry_run_as_a_user_runs_it(fake_assets, capsys, tmp_path, monkeypatch):
     from pdm_lab.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the real run below takes its run directory (relative) before it fails
 
     assert main(["train", "--config", str(Q4B), "--dry-run", *paper_overrides(fake_assets)]) == 0
     assert "ok" in capsys.readouterr().out
