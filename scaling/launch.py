@@ -69,8 +69,26 @@ def launch(cfg: TrainConfig, nproc: int | None = None) -> int:
         with DirLock(cfg.resolved_run_dir, what="run directory"):
             run_training(cfg)
         return 0
-    with DirLock(cfg.resolved_run_dir, what="run directory"):
-        return _launch_locked(cfg, nproc)
+    run_dir = Path(cfg.resolved_run_dir)
+    fresh = not run_dir.exists()
+    try:
+        with DirLock(run_dir, what="run directory"):
+            return _launch_locked(cfg, nproc)
+    except BaseException:
+        if fresh:  # a start that failed before writing anything leaves no empty run directory
+            _remove_if_only_lock(run_dir)
+        raise
+
+
+def _remove_if_only_lock(run_dir: Path) -> None:
+    from pdm_lab.locking import LOCK_NAME
+
+    try:
+        if [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
+            (run_dir / LOCK_NAME).unlink()
+            run_dir.rmdir()
+    except OSError:  # someone else's files or lock appeared meanwhile: leave it
+        pass
 
 
 def _launch_locked(cfg: TrainConfig, nproc: int) -> int:

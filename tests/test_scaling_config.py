@@ -189,6 +189,7 @@ def test_cli_dry_run_as_a_user_runs_it(fake_assets, capsys, tmp_path, monkeypatc
     # a real (not dry) run with a missing model directory stops before any rank starts
     assert main(["train", "--config", str(Q4B), "model.path=/nonexistent/x"]) == 2
     assert "model.path: /nonexistent/x is not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no empty run dir left
 
 
 def test_tiny_config_dry_run_without_building():
