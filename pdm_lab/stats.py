@@ -7,12 +7,12 @@ import torch
 from torch import Tensor
 
 from .compiled import maybe_compiled
-from .rowops import any_true
 from .direction import DDOT_ESTIMATORS, TailView, ddot, ddot_head, ddot_interval, tail_live
 from .divergence import binary_kl, binary_tv, full_kl, topk_kl, topk_tv
 from .errors import PDMInputError, check_same
 from .numerics import rest_logmass, rest_logmass_from_probs
 from .policy_side import PolicyOnSupport, exact_tail_term
+from .rowops import any_true
 from .support import Support
 
 
@@ -77,8 +77,9 @@ def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tai
 def _binary_kl_exact(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor,
                      k_index: Tensor) -> Tensor:
     """DPPO's binary KL with the rests from ``rest_logmass`` (log-sum-exps): rows it rescues."""
-    pick = lambda x: x.gather(1, k_index[:, None])[:, 0]
-    return binary_kl(pick(mu_logp), pick(pi_logp), mu_rest_logp=rest_logmass(mu_logp, mu_tail_logp, k_index),
+    at_k = k_index[:, None]
+    return binary_kl(mu_logp.gather(1, at_k)[:, 0], pi_logp.gather(1, at_k)[:, 0],
+                     mu_rest_logp=rest_logmass(mu_logp, mu_tail_logp, k_index),
                      pi_rest_logp=rest_logmass(pi_logp, pi_tail_logp, k_index))
 
 
