@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from . import support_checks as checks
-from .compiled import BLOCK_ROWS, maybe_compiled
+from . import compiled as compiled_mod
+from .compiled import maybe_compiled
 from .errors import logp_tolerance
 from .numerics import log1mexp, masked_logsumexp
 from .rowops import (all_true, any_duplicate, any_true, append_column, first_true, head_log_mass, order_rows,
@@ -270,7 +271,7 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
             topk_ids[rows], topk_logp[rows], sampled[rows], sampled_logp[rows], sub_keep)
         sub_ids, sub_logp = order_rows(sub_ids, sub_logp)
         # a handful of rows runs eagerly: a compiled graph specialises (recompiles) on one row
-        redo = math if rows.numel() > BLOCK_ROWS else maybe_compiled(_engine_math, False)
+        redo = math if rows.numel() > compiled_mod.BLOCK_ROWS else maybe_compiled(_engine_math, False)
         sub = redo(sub_ids, sub_logp, sub_sampled, sub_sampled_logp, sub_keep, vocab_size, k, convention)
         sub.pop("unordered")
         sub_bad = sub.pop("flags").tolist()[2]

@@ -254,3 +254,18 @@ def test_a_bad_row_beside_rows_out_of_order_names_the_same_position(bad_row):
             support_from_topk(i, v, sampled, sampled_logp, vocab_size=vocab, k=4, compiled=False)
         messages.append(str(err.value))
     assert messages[0] == messages[1] and f"in row {row}" in messages[0]
+
+
+def test_many_rows_out_of_order_are_redone_by_row_blocks(monkeypatch):
+    """More rows out of order than a block holds: they are redone by the same row-block math
+    (here 4-row blocks), with the same result as rows ordered first."""
+    monkeypatch.setattr(compiled_mod, "BLOCK_ROWS", 4)
+    ids, vals, sampled, sampled_logp, vocab = _partly_shuffled(11, 60, 7, in_top=5)
+    assert int(rowops.rows_out_of_order(ids, vals).sum()) > 4
+    ref_ids, ref_vals = rowops.order_rows_reference(ids, vals)
+    for convention in ("union", "kslot"):
+        build = lambda i, v: support_from_topk(i, v, sampled, sampled_logp, vocab_size=vocab, k=5,
+                                               convention=convention, compiled=False)
+        got, want = build(ids, vals), build(ref_ids, ref_vals)
+        for f in ("ids", "k_index", "tail_count", "mu_logp", "mu_tail_logp", "mu_kth_logp"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), (convention, f)
