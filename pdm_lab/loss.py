@@ -45,12 +45,12 @@ def token_surrogate(logp_k: Tensor, mu_logp_k: Tensor, advantages: Tensor, keep:
     log_ratio = logp_k - mu_logp_k.detach()
     active = keep.detach().bool() & (advantages.detach() != 0)
     # select before exp: the unselected branch gets an exactly-zero gradient, not 0·inf
-    log_ratio = torch.where(active, log_ratio, torch.zeros_like(log_ratio))
+    log_ratio = torch.where(active, log_ratio, 0.0)
     if clip_ratio_c is not None:  # TIS cap in log space: log min(r, c) = log r + min(0, log c − log r)
         log_scale = torch.clamp(math.log(clip_ratio_c) - log_ratio.detach(), max=0.0)
         log_ratio = log_ratio + log_scale
     value = -advantages.detach() * torch.exp(log_ratio)
-    return torch.where(active, value, torch.zeros_like(value))
+    return torch.where(active, value, 0.0)
 
 
 def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
@@ -68,7 +68,7 @@ def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
     check_same(("loss_mat", "response_mask"), loss_mat, response_mask)
     mask = response_mask.to(loss_mat.dtype)
     # select, don't multiply: a padding slot's loss may be inf, and inf·0 = NaN
-    masked = torch.where(response_mask.bool(), loss_mat, torch.zeros_like(loss_mat))
+    masked = torch.where(response_mask.bool(), loss_mat, 0.0)
     if mode == "token-mean":
         return masked.sum() / mask.sum().clamp(min=1)
     counts = mask.sum(dim=1)
@@ -112,7 +112,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
     with one_thread(stats.ratio.device):  # [N] vectors: see compiled.one_thread
         adv = advantages.reshape(-1).to(stats.ratio.dtype)
         resp = response_mask.reshape(-1).bool()
-        adv = torch.where(resp, adv, torch.zeros_like(adv))  # padding carries no advantage
+        adv = torch.where(resp, adv, 0.0)  # padding carries no advantage
         keep = compute_mask(cfg, stats, adv, response_mask)
         logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
         mu_logp_k = support.mu_logp_k.to(logp_k.dtype)
