@@ -11,7 +11,7 @@ from torch import Tensor
 from .compiled import one_thread
 from .config import AGGREGATIONS, MaskConfig
 from .errors import PDMInputError, check_same, check_tensor
-from .masks import compute_mask
+from .masks import compute_mask, get_mask_rule
 from .metrics import MetricSums, finalize, step_metric_sums
 from .policy_side import PolicyOnSupport
 from .stats import TokenStats, token_stats
@@ -106,7 +106,8 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
     if support.ids.shape[0] != n_tokens:
         raise PDMInputError(f"support has {support.ids.shape[0]} rows but advantages {tuple(advantages.shape)} "
                             f"has {n_tokens} tokens (N must equal B·T)")
-    stats = token_stats(support, pi, mu_full=mu_full, pi_full=pi_full, compiled=compiled)
+    stats = token_stats(support, pi, mu_full=mu_full, pi_full=pi_full, compiled=compiled,
+                        binary=get_mask_rule(cfg.rule).binary_stats)
     if coupled is not None:
         stats = dataclasses.replace(stats, coupled=coupled.detach().reshape(-1).to(stats.ratio.dtype))
     with one_thread(stats.ratio.device):  # [N] vectors: see compiled.one_thread

@@ -1,8 +1,9 @@
 """The mask-rule registry (SPEC §4). M = 1 keeps a token's gradient, 0 drops it.
 
 A rule is a record (``MaskRule``): its name, the divergence it thresholds, the Ḋ estimator that
-decides its direction (or none), whether it reads δ and the reduced support, and its drop
-function ``(stats, advantages, cfg) -> [N] bool``. Stages ask the record; nothing parses rule
+decides its direction (or none), whether it reads δ, the reduced support and DPPO's binary
+divergences (computed only for the rules that read them), and its drop function
+``(stats, advantages, cfg) -> [N] bool``. Stages ask the record; nothing parses rule
 names. Adding a rule is one decorated function and one test::
 
     @register_mask("my_rule", divergence="topk_kl", estimator="topk")
@@ -30,6 +31,8 @@ DropFn = Callable[["TokenStats", Tensor, Any], Tensor]
 
 #: The per-token divergences a rule may threshold: attribute names of ``TokenStats``.
 DIVERGENCES = ("topk_kl", "topk_tv", "binary_kl", "binary_tv")
+#: Those that ``token_stats`` computes only when asked (``binary=True``).
+BINARY_DIVERGENCES = ("binary_kl", "binary_tv")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class MaskRule:
     """``token`` or ``sequence`` (drops whole responses; sees the [B, T] layout)."""
     needs: tuple[str, ...] = ()
     """inputs beyond token stats: ``full`` (full distributions), ``coupled`` (c_t from the stage)."""
+    binary_stats: bool = False
+    """reads ``stats.binary_kl`` / ``binary_tv``: ``pdm_policy_loss`` computes them only then."""
     doc: str = ""
 
     def __call__(self, stats: "TokenStats", advantages: Tensor, cfg: Any) -> Tensor:
@@ -62,11 +67,13 @@ MASK_RULES: dict[str, MaskRule] = {}
 
 def register_mask(name: str, *, divergence: str | None = None, estimator: str | None = None,
                   uses_delta: bool | None = None, uses_support: bool | None = None,
-                  level: str = "token", needs: tuple[str, ...] = ()) -> Callable[[DropFn], DropFn]:
+                  level: str = "token", needs: tuple[str, ...] = (),
+                  binary_stats: bool | None = None) -> Callable[[DropFn], DropFn]:
     """Decorator: register a drop function under `name` with its facts (see ``MaskRule``).
 
     ``uses_delta`` defaults to "thresholds a divergence"; ``uses_support`` to "thresholds a top-K
-    divergence or uses a Ḋ estimator".
+    divergence or uses a Ḋ estimator"; ``binary_stats`` to "thresholds a binary divergence" (a
+    rule that reads ``stats.binary_kl`` or ``binary_tv`` otherwise says so).
     """
     if divergence is not None and divergence not in DIVERGENCES:
         raise ValueError(f"rule {name!r}: divergence must be one of {DIVERGENCES}, got {divergence!r}")
@@ -78,13 +85,15 @@ def register_mask(name: str, *, divergence: str | None = None, estimator: str | 
         uses_delta = divergence is not None
     if uses_support is None:
         uses_support = estimator is not None or (divergence or "").startswith("topk")
+    if binary_stats is None:
+        binary_stats = divergence in BINARY_DIVERGENCES
 
     def wrap(fn: DropFn) -> DropFn:
         if name in MASK_RULES:
             raise ValueError(f"mask rule {name!r} is already registered")
         MASK_RULES[name] = MaskRule(name=name, drop=fn, divergence=divergence, estimator=estimator,
                                     uses_delta=uses_delta, uses_support=uses_support, level=level,
-                                    needs=tuple(needs), doc=(fn.__doc__ or "").strip())
+                                    needs=tuple(needs), binary_stats=binary_stats, doc=(fn.__doc__ or "").strip())
         return fn
     return wrap
 
@@ -107,6 +116,9 @@ def compute_mask(cfg: Any, stats: "TokenStats", advantages: Tensor,
     check_same(("advantages", "stats.ratio"), advantages, stats.ratio)
     raise_at("advantages", ~torch.isfinite(advantages), "non-finite advantage", advantages)
     rule = get_mask_rule(cfg.rule)
+    if rule.binary_stats and (stats.binary_kl is None or stats.binary_tv is None):
+        raise PDMInputError(f"rule {rule.name!r} reads DPPO's binary divergences, which these stats lack: "
+                            "compute them with token_stats(..., binary=True)")
     adv = advantages.to(stats.ratio.dtype)
     if rule.level == "sequence":
         if response_mask is None or response_mask.numel() != adv.numel() or response_mask.dim() != 2:

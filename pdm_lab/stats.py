@@ -19,12 +19,14 @@ from .support import Support
 @dataclass(frozen=True)
 class TokenStats:
     """All [N]. ``ddot`` maps estimator name → Ḋ (``exact`` only when full distributions were given);
-    ``full_kl`` is None without them; ``coupled`` is None unless the stage supplied c_t."""
+    ``full_kl`` is None without them; ``binary_kl`` and ``binary_tv`` (DPPO's divergences on the
+    sampled token) are None where ``token_stats(binary=False)`` skipped them; ``coupled`` is None
+    unless the stage supplied c_t."""
 
     topk_kl: Tensor
     topk_tv: Tensor
-    binary_kl: Tensor
-    binary_tv: Tensor
+    binary_kl: Tensor | None
+    binary_tv: Tensor | None
     full_kl: Tensor | None
     log_ratio: Tensor
     ratio: Tensor
@@ -39,7 +41,7 @@ class TokenStats:
 
 def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor,
                   pi_tail_log_sumsq: Tensor, k_index: Tensor, tail_count: Tensor, mu_kth_logp: Tensor,
-                  exact_tail: Tensor | None) -> dict[str, Tensor]:
+                  exact_tail: Tensor | None, binary: bool = True) -> dict[str, Tensor]:
     """The tensor math of ``token_stats``: pure, so ``torch.compile`` can fuse it unchanged."""
     mu_logp_k = mu_logp.gather(1, k_index[:, None])[:, 0]
     pi_logp_k = pi_logp.gather(1, k_index[:, None])[:, 0]
@@ -53,14 +55,9 @@ def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tai
     head = ddot_head(mu_logp, pi_logp, k_index, mu=mu, pi=pi, diff=diff)
     lower, upper = ddot_interval(head, view, torch.exp(mu_kth_logp))
     log_ratio = pi_logp_k - mu_logp_k
-    mu_rest, mu_rescue = rest_logmass_from_probs(mu_logp_k, mu, view.mu_tail, k_index)
-    pi_rest, pi_rescue = rest_logmass_from_probs(pi_logp_k, pi, pi_tail, k_index)
     out = {
         "topk_kl": topk_kl(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, mu=mu),
         "topk_tv": topk_tv(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, diff=diff),
-        "binary_kl": binary_kl(mu_logp_k, pi_logp_k, mu_rest_logp=mu_rest, pi_rest_logp=pi_rest),
-        "rest_rescue": mu_rescue | pi_rescue,
-        "binary_tv": binary_tv(mu_logp_k, pi_logp_k),
         "log_ratio": log_ratio,
         "ratio": torch.exp(log_ratio),
         "mu_tail": view.mu_tail,
@@ -71,6 +68,12 @@ def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tai
     for name in DDOT_ESTIMATORS:
         if name != "exact" or exact_tail is not None:
             out[f"ddot_{name}"] = ddot(head, view, name)
+    if binary:  # the rests' two passes over [N, m] are a third of this function's work (eager)
+        mu_rest, mu_rescue = rest_logmass_from_probs(mu_logp_k, mu, view.mu_tail, k_index)
+        pi_rest, pi_rescue = rest_logmass_from_probs(pi_logp_k, pi, pi_tail, k_index)
+        out["binary_kl"] = binary_kl(mu_logp_k, pi_logp_k, mu_rest_logp=mu_rest, pi_rest_logp=pi_rest)
+        out["rest_rescue"] = mu_rescue | pi_rescue
+        out["binary_tv"] = binary_tv(mu_logp_k, pi_logp_k)
     return out
 
 
@@ -85,7 +88,7 @@ def _binary_kl_exact(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_
 
 @torch.no_grad()
 def token_stats(support: Support, pi: PolicyOnSupport, *, mu_full: Tensor | None = None,
-                pi_full: Tensor | None = None, compiled: bool | None = None) -> TokenStats:
+                pi_full: Tensor | None = None, compiled: bool | None = None, binary: bool = True) -> TokenStats:
     """Every per-token quantity of SPEC §2–3 for one batch.
 
     Args:
@@ -95,6 +98,9 @@ def token_stats(support: Support, pi: PolicyOnSupport, *, mu_full: Tensor | None
         compiled: run the same math through ``torch.compile`` (one fused kernel instead of ~20
             passes over [N, m]); default from ``PDM_LAB_COMPILE``. Eager runs it by cache-sized
             row blocks (``compiled.by_row_blocks``). Tested equal.
+        binary: also DPPO's binary KL and TV on the sampled token (their rest masses read all of
+            S). ``pdm_policy_loss`` asks for them only for a rule that reads them
+            (``MaskRule.binary_stats``); with False, ``binary_kl`` and ``binary_tv`` are None.
     """
     check_same(("pi.logp", "support.ids"), pi.logp, support.ids)
     if (mu_full is None) != (pi_full is None):
@@ -110,12 +116,13 @@ def token_stats(support: Support, pi: PolicyOnSupport, *, mu_full: Tensor | None
     math = maybe_compiled(_support_math, compiled, row_blocks=True)
     out = math(support.mu_logp.to(dtype), pi_logp, support.mu_tail_logp.to(dtype),
                pi.tail_logp.to(dtype), pi.tail_log_sumsq.to(dtype), support.k_index,
-               support.tail_count, support.mu_kth_logp.to(dtype), exact)
-    rescue = out.pop("rest_rescue")
-    if bool(any_true(rescue)):  # a rest mass near underflow: those rows' binary KL exactly
+               support.tail_count, support.mu_kth_logp.to(dtype), exact, binary)
+    rescue = out.pop("rest_rescue", None)
+    if rescue is not None and bool(any_true(rescue)):  # a rest near underflow: those rows exactly
         rows = torch.nonzero(rescue)[:, 0]
         out["binary_kl"][rows] = _binary_kl_exact(support.mu_logp[rows].to(dtype), pi_logp[rows],
                                                   support.mu_tail_logp[rows].to(dtype), pi.tail_logp[rows].to(dtype),
                                                   support.k_index[rows])
     ddot_values = {name: out.pop(f"ddot_{name}") for name in DDOT_ESTIMATORS if f"ddot_{name}" in out}
-    return TokenStats(full_kl=full, ddot=ddot_values, **out)
+    return TokenStats(full_kl=full, ddot=ddot_values, binary_kl=out.pop("binary_kl", None),
+                      binary_tv=out.pop("binary_tv", None), **out)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from pdm_lab import MaskConfig, pdm_policy_loss, policy_on_support, support_from_full
+from pdm_lab import MaskConfig, pdm_policy_loss, policy_on_support, support_from_full, token_stats
 from pdm_lab.diagnose import diagnose
 from pdm_lab.loss import token_surrogate
 from pdm_lab.masks import MASK_RULES
@@ -73,7 +73,9 @@ def run_case(case: dict) -> tuple[bool, bool]:
     if cfg.clip_ratio_c is None and bool((active & (log_r > LOG_RATIO_REPRESENTABLE)).any()):
         return False, True
     out.loss.backward()
-    stats = [out.stats.topk_kl, out.stats.topk_tv, out.stats.binary_kl, out.stats.binary_tv,
+    # the loss computes DPPO's binary divergences only for a rule that reads them: ask for them
+    binary = token_stats(support, pol, mu_full=mu, pi_full=torch.log_softmax(logits.detach(), -1), binary=True)
+    stats = [out.stats.topk_kl, out.stats.topk_tv, binary.binary_kl, binary.binary_tv,
              out.stats.full_kl, *out.stats.ddot.values()]
     # r itself (ratio/* metrics) is +inf exactly where e^{log r} is beyond float32: the true value
     r_overflows = bool((case["resp"].reshape(-1) & (out.stats.log_ratio > 88.0)).any())

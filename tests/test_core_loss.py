@@ -60,3 +60,41 @@ def test_metrics_keys_and_ranges():
         assert key in m and m[key].dim() == 0 and torch.isfinite(m[key]), key
     assert 0 <= m["mask/frac_dropped"] <= m["mask/frac_outside"] <= 1
     assert m["ratio/min"] <= m["ratio/mean"] <= m["ratio/max"]
+
+
+def test_binary_divergences_are_computed_only_for_the_rules_that_read_them():
+    """DPPO's binary KL/TV (two more passes over [N, m]) only for a rule that reads them; the
+    other statistics are the same numbers either way, and a rule that reads them without
+    thresholding them says so at registration (``binary_stats=True``)."""
+    from pdm_lab import token_stats
+    from pdm_lab.errors import PDMInputError
+    from pdm_lab.masks import MASK_RULES, compute_mask, register_mask
+
+    mu, logits, sampled, support, adv = _setup()
+    resp = torch.ones_like(adv, dtype=torch.bool)
+    pol = policy_on_support(logits, support.ids)
+    full = token_stats(support, pol)
+    lean = token_stats(support, pol, binary=False)
+    assert lean.binary_kl is None and lean.binary_tv is None
+    for name in ("topk_kl", "topk_tv", "log_ratio", "ratio", "mu_tail", "pi_tail", "ddot_lower", "ddot_upper"):
+        assert torch.equal(getattr(lean, name), getattr(full, name)), name
+    assert all(torch.equal(lean.ddot[e], full.ddot[e]) for e in full.ddot)
+    for rule in ("pdm_topk", "dppo_topk_kl", "dppo_binary_kl", "dppo_binary_tv", "ppo_clip"):
+        out = pdm_policy_loss(pol, support, adv, resp, MaskConfig(rule=rule, delta=0.05, k=5))
+        if MASK_RULES[rule].binary_stats:
+            assert torch.equal(out.stats.binary_kl, full.binary_kl) and torch.equal(out.stats.binary_tv, full.binary_tv)
+        else:
+            assert out.stats.binary_kl is None, rule
+    assert MASK_RULES["dppo_binary_kl"].binary_stats and not MASK_RULES["pdm_topk"].binary_stats
+    with pytest.raises(PDMInputError, match=r"dppo_binary_kl.*binary=True"):
+        compute_mask(MaskConfig(rule="dppo_binary_kl"), lean, adv.reshape(-1))
+
+    @register_mask("test_reads_binary_kl", binary_stats=True)
+    def reads_binary_kl(stats, advantages, cfg):
+        return stats.binary_kl > cfg.delta
+
+    try:
+        out = pdm_policy_loss(pol, support, adv, resp, MaskConfig(rule="test_reads_binary_kl", delta=0.05, k=5))
+        assert torch.equal(out.keep.reshape(-1), (~(full.binary_kl > 0.05)).to(out.keep.dtype))
+    finally:
+        MASK_RULES.pop("test_reads_binary_kl")
