@@ -109,26 +109,43 @@ def head_log_mass_reference(logp: Tensor) -> Tensor:
     return torch.logsumexp(logp, dim=1)
 
 
+#: Rows per chunk of the eager duplicate check: the transposed chunk and its compare buffer
+#: ([m, rows] int32 each, ~0.65 MB at m = 20) stay in a core's L2 cache.
+DUPLICATE_CHUNK_ROWS = 8192
+
+
 def any_duplicate(ids: Tensor) -> Tensor:
     """0-d bool: some row of ids ([N, m] integer, negative = padding) holds a real id twice.
 
     Each column j is compared with column j + s for every shift s = 1 … m − 1 (all m(m − 1)/2
     pairs), with a negative entry of column j mapped to −1 − j so that two pads never match and
-    each pair test stays one compare. Eager: on the transposed block, so that each shift is one
-    compare over contiguous memory (measured on [65536, 20] int32, one thread: 5.8 ms, against
-    17.7 ms for a sort of each row then neighbours). Compiled: the pairs fused into one pass."""
+    each pair test stays one compare. Eager: on the transposed block, chunk by chunk of
+    ``DUPLICATE_CHUNK_ROWS`` rows, so that each shift is one compare over contiguous memory in
+    cache, written as the ids' own integer type: torch vectorises a compare whose output has its
+    inputs' dtype, not one into bool (measured on [65536, 20] int32, one thread: 3.6 ms, against
+    10.6 ms for whole-block compares into bool and 17.7 ms for a sort of each row). Compiled: the
+    pairs fused into one pass."""
     m = ids.shape[1]
     if m < 2 or ids.shape[0] == 0:
         return torch.zeros((), dtype=torch.bool, device=ids.device)
     if not torch.compiler.is_compiling():
-        cols = ids.T.contiguous()
-        if int(cols.min()) < 0:
-            pad = -1 - torch.arange(m, device=ids.device, dtype=cols.dtype)
-            cols = torch.where(cols < 0, pad[:, None], cols)
-        found = torch.zeros((), dtype=torch.uint8, device=ids.device)
-        for s in range(1, m):
-            torch.maximum(found, (cols[s:] == cols[:-s]).view(torch.uint8).amax(), out=found)
-        return found > 0
+        # an accelerator runs the whole block at once (a chunk is a kernel launch per compare)
+        chunk = DUPLICATE_CHUNK_ROWS if ids.device.type == "cpu" else ids.shape[0]
+        # one 0/1 result per chunk and shift: read once at the end (no host sync per compare)
+        found = torch.zeros(-(-ids.shape[0] // chunk), m - 1, dtype=ids.dtype, device=ids.device)
+        equal = torch.empty(m - 1, min(chunk, ids.shape[0]), dtype=ids.dtype, device=ids.device)
+        pad = None
+        for c, lo in enumerate(range(0, ids.shape[0], chunk)):
+            cols = ids[lo:lo + chunk].T.contiguous()
+            if int(cols.min()) < 0:
+                pad = -1 - torch.arange(m, device=ids.device, dtype=cols.dtype) if pad is None else pad
+                cols = torch.where(cols < 0, pad[:, None], cols)
+            rows = cols.shape[1]
+            for s in range(1, m):
+                out = equal[:m - s, :rows]
+                torch.eq(cols[s:], cols[:-s], out=out)
+                torch.amax(out, out=found[c, s - 1])
+        return found.amax() > 0
     cols = [torch.where(ids[:, j] >= 0, ids[:, j], -1 - j) for j in range(m)]
     dup = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for i in range(m - 1):
@@ -165,7 +182,10 @@ def rows_out_of_order(ids: Tensor, logp: Tensor) -> Tensor:
     if torch.compiler.is_compiling():
         return ~_pairs_in_order(logp[:, :-1], logp[:, 1:], ids[:, :-1], ids[:, 1:]).all(dim=1)
     out = torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
-    rows = torch.unique(torch.nonzero(~(logp[:, :-1] > logp[:, 1:]))[:, 0])
+    # 1.0 where a step descends strictly (a tie, a rise, padding's −inf vs −inf or a NaN: 0.0),
+    # into logp's dtype: torch vectorises that compare, not one into bool
+    descends = torch.gt(logp[:, :-1], logp[:, 1:], out=logp.new_empty(logp.shape[0], logp.shape[1] - 1))
+    rows = torch.nonzero(descends.amin(dim=1) == 0)[:, 0]
     if rows.numel() > 0:
         ids, logp = ids[rows], logp[rows]
         out[rows] = ~_pairs_in_order(logp[:, :-1], logp[:, 1:], ids[:, :-1], ids[:, 1:]).all(dim=1)

@@ -189,20 +189,41 @@ def test_support_with_a_row_out_of_order_equals_the_ordered_rows():
     assert torch.equal(got.k_index, want.k_index)
 
 
-@given(seed=st.integers(0, 10**6), width=st.integers(2, 24), plant=st.booleans())
-@settings(max_examples=60, deadline=None)
-def test_any_duplicate_on_distinct_rows_with_padding(seed, width, plant):
+@given(seed=st.integers(0, 10**6), width=st.integers(2, 24), plant=st.booleans(), row=st.integers(0, 29),
+       chunk=st.sampled_from([7, 30, 8192]), dtype=st.sampled_from([torch.int32, torch.int64]))
+@settings(max_examples=80, deadline=None)
+def test_any_duplicate_on_distinct_rows_with_padding(seed, width, plant, row, chunk, dtype):
     """Rows of distinct ids with padding (several pads per row never match each other): False
-    until one real id is copied into another slot of its row."""
+    until one real id is copied into another slot of its row; whatever the eager chunk of rows
+    (7: five chunks, the last one short, pads in some chunks only)."""
     gen = torch.Generator().manual_seed(seed)
     n_rows = 30
     ids = torch.argsort(torch.rand(n_rows, 100, generator=gen), dim=1)[:, :width].int()
     ids[torch.rand(n_rows, width, generator=gen) < 0.3] = -1
     if plant:
-        row = int(torch.randint(0, n_rows, (1,), generator=gen))
         a, b = sorted(torch.randperm(width, generator=gen)[:2].tolist())
         ids[row, a] = ids[row, b] = 7 + width  # a real id twice (≥ 0, maybe already in the row)
-    assert bool(rowops.any_duplicate(ids)) == bool(rowops.any_duplicate_reference(ids)) == plant
+    ids = ids.to(dtype)
+    saved, rowops.DUPLICATE_CHUNK_ROWS = rowops.DUPLICATE_CHUNK_ROWS, chunk
+    try:
+        assert bool(rowops.any_duplicate(ids)) == bool(rowops.any_duplicate_reference(ids)) == plant
+    finally:
+        rowops.DUPLICATE_CHUNK_ROWS = saved
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 30, 31])
+def test_any_duplicate_checks_every_row_of_every_chunk(chunk, monkeypatch):
+    """A duplicate planted in any one row, at any pair of slots, is found whichever eager chunk
+    holds it (the last chunk short, or the whole block in one)."""
+    monkeypatch.setattr(rowops, "DUPLICATE_CHUNK_ROWS", chunk)
+    ids = torch.arange(30 * 6, dtype=torch.int32).reshape(30, 6)
+    ids[::4, -1] = -1
+    assert not bool(rowops.any_duplicate(ids))
+    for row in range(30):
+        for a, b in ((0, 1), (0, 4), (3, 4)):
+            planted = ids.clone()
+            planted[row, b] = planted[row, a]
+            assert bool(rowops.any_duplicate(planted)), (row, a, b)
 
 
 def _partly_shuffled(seed: int, n_rows: int, width: int, vocab: int = 60, in_top: int | None = None):
