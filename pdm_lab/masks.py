@@ -132,6 +132,8 @@ def compute_mask(cfg: Any, stats: "TokenStats", advantages: Tensor,
 
 def outside_region(divergence: Tensor, advantages: Tensor, cfg: Any) -> Tensor:
     """[N] bool: divergence > δ (δ_neg for Â < 0, as DPPO's code allows) — outside the region."""
+    if cfg.delta_for_negative == cfg.delta:  # one threshold (the default): no [N] select of δ
+        return divergence > cfg.delta  # δ rounded to divergence's dtype, as the select does
     delta = torch.where(advantages < 0, cfg.delta_for_negative, cfg.delta).to(divergence.dtype)
     return divergence > delta
 

@@ -53,7 +53,9 @@ def metric(reduce: str, value: Any, count: Any = 1) -> Metric:
 
 def count_of(where: Tensor) -> Tensor:
     """The number of ``where`` entries, 0-d float64 (pass it on when several keys share `where`)."""
-    return where.sum().to(torch.float64)  # an integer count: exact at any N
+    # an integer count, exact at any N; count_nonzero reads the bytes (a bool sum casts [N] to
+    # int64 first: 0.68 against 0.15 ms at N = 10⁶)
+    return torch.count_nonzero(where).to(torch.float64)
 
 
 def _select(x: Tensor, where: Tensor, fill: float) -> Tensor:
@@ -66,11 +68,14 @@ def _select(x: Tensor, where: Tensor, fill: float) -> Tensor:
 def mean_of(x: Tensor, where: Tensor, count: Tensor | None = None) -> Metric:
     """``mean`` of x over the ``where`` entries (Σ and count; no division yet). `count`:
     ``count_of(where)`` when the caller has it."""
+    count = count_of(where) if count is None else count
+    if x.dtype == torch.bool:  # a fraction: its numerator is the count of x ∧ where (a select of
+        # bools against the integer 0 made an int64 copy of [N]: two passes, 3.6 ms at N = 10⁶)
+        return Metric("mean", count_of(x & where.bool()), count)
     # select, don't multiply: a padding slot's r may be inf (inf·0 = NaN). Summed in x's dtype
     # (torch's cascade sum: relative error ~1e-7·log N in float32), then float64 for the merges: a
     # float64 copy of each [N] key was most of the metrics' time
-    return Metric("mean", _select(x, where, 0).sum().to(torch.float64),
-                  count_of(where) if count is None else count)
+    return Metric("mean", _select(x, where, 0).sum().to(torch.float64), count)
 
 
 def _extreme_of(reduce: str, x: Tensor, where: Tensor, count: Tensor | None) -> Metric:

@@ -134,3 +134,27 @@ def test_all_reduce_over_two_gloo_ranks_equals_one_process():
     for _, reduced, mismatch in results:
         assert reduced == pytest.approx(whole, rel=1e-12, nan_ok=True)
         assert "ranks hold different metric keys" in mismatch
+
+
+@pytest.mark.parametrize("cfg", [CFG, MaskConfig(rule="pdm_topk", delta=0.1, k=5)], ids=["delta_neg", "one_delta"])
+def test_every_key_equals_its_plain_definition(cfg):
+    """Each key against boolean indexing in float64: the fractions (counts of bools), the region
+    with one threshold or two, the means and extremes over response tokens."""
+    stats, keep, adv, resp = batch()
+    got = finalize_floats(step_metric_sums(stats, keep, adv, resp, cfg))
+    threshold = torch.where(adv < 0, cfg.delta_for_negative, cfg.delta)
+    outside = resp & (stats.topk_kl > threshold)
+    dropped = keep == 0
+    certified = (stats.ddot_lower > 0) | (stats.ddot_upper < 0)
+    disagree = torch.sign(stats.log_ratio) != torch.sign(stats.ddot["topk"])
+    want = {"mask/frac_dropped": dropped[resp], "mask/frac_dropped_pos": dropped[resp & (adv > 0)],
+            "mask/frac_dropped_neg": dropped[resp & (adv < 0)], "mask/frac_outside": outside[resp],
+            "div/topk_kl_mean": stats.topk_kl[resp], "div/topk_tv_mean": stats.topk_tv[resp],
+            "div/mu_tail_mean": stats.mu_tail[resp], "div/pi_tail_mean": stats.pi_tail[resp],
+            "ratio/mean": stats.ratio[resp], "div/full_kl_mean": stats.full_kl[resp],
+            "mask/dir_disagree": disagree[outside], "mask/ddot_sign_certified": certified[outside]}
+    for key, values in want.items():
+        assert got[key] == pytest.approx(float(values.double().mean()), rel=1e-12, abs=1e-15), key
+    assert 0 < outside.sum() < resp.sum()  # the region splits the batch: the test can tell
+    assert got["div/topk_kl_max"] == float(stats.topk_kl[resp].max())
+    assert got["tokens/response"] == int(resp.sum())
