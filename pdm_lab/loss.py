@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .compiled import one_thread
+from .compiled import compile_default, maybe_compiled, one_thread
 from .config import AGGREGATIONS, MaskConfig
 from .errors import PDMInputError, check_same, check_tensor
-from .masks import compute_mask, get_mask_rule
+from .masks import compute_mask, get_mask_rule, outside_region
 from .metrics import MetricSums, finalize, step_metric_sums
 from .policy_side import PolicyOnSupport
 from .stats import TokenStats, token_stats
@@ -97,7 +97,8 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         response_mask: [B, T] bool/0-1, padding = 0.
         cfg: the mask section (rule, δ, K, convention, estimator, cap, aggregation).
         mu_full, pi_full: [N, n] full log-probabilities (toys): enable ``exact`` and full KL.
-        compiled: the compiled stats path (see ``token_stats``); default from ``PDM_LAB_COMPILE``.
+        compiled: the compiled stats path (see ``token_stats``) and the surrogate, aggregation and
+            metrics as one compiled graph; default from ``PDM_LAB_COMPILE``. Tested equal to eager.
         coupled: [N] c_t of SPEC §3b (``pdm_lab.coupled.coupled_scores``), for ``pdm_coupled``.
     """
     check_tensor("advantages", advantages, ndim=2, floating=True)
@@ -110,15 +111,32 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
                         binary=get_mask_rule(cfg.rule).binary_stats)
     if coupled is not None:
         stats = dataclasses.replace(stats, coupled=coupled.detach().reshape(-1).to(stats.ratio.dtype))
+    compile_tail = (compile_default() if compiled is None else compiled) and n_tokens > 0
     with one_thread(stats.ratio.device):  # [N] vectors: see compiled.one_thread
         adv = advantages.reshape(-1).to(stats.ratio.dtype)
         resp = response_mask.reshape(-1).bool()
         adv = torch.where(resp, adv, 0.0)  # padding carries no advantage
-        keep = compute_mask(cfg, stats, adv, response_mask)
-        logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
-        mu_logp_k = support.mu_logp_k.to(logp_k.dtype)
-        per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, cfg.clip_ratio_c)
-        loss = aggregate(per_token.reshape(advantages.shape), response_mask, cfg.aggregation, cfg.horizon)
-        sums = step_metric_sums(stats, keep, adv, resp, cfg)
+        keep = compute_mask(cfg, stats, adv, response_mask)  # validates; reads δ (never compiled)
+        outside = outside_region(stats.topk_kl, adv, cfg) & resp
+        if not compile_tail:
+            loss, sums = _surrogate_and_metrics(pi.logp, support.mu_logp, support.k_index, adv, keep, resp,
+                                                response_mask, stats, outside, cfg)
+    if compile_tail:  # one graph forward, one backward, on torch's threads (few kernels, few joins)
+        loss, sums = maybe_compiled(_surrogate_and_metrics, True)(
+            pi.logp, support.mu_logp, support.k_index, adv, keep, resp, response_mask, stats, outside, cfg)
     return LossOutput(loss=loss, keep=keep.reshape(advantages.shape), stats=stats, metrics=finalize(sums),
                       metric_sums=sums)
+
+
+def _surrogate_and_metrics(pi_logp: Tensor, mu_logp: Tensor, k_index: Tensor, adv: Tensor, keep: Tensor,
+                           resp: Tensor, response_mask: Tensor, stats: TokenStats, outside: Tensor,
+                           cfg: MaskConfig) -> tuple[Tensor, MetricSums]:
+    """The per-token tail of ``pdm_policy_loss`` after the mask: surrogate, aggregation, metric
+    sums. Eager, or one compiled graph (with its backward). Of `cfg` it reads only the cap, the
+    aggregation and the direction estimator, never δ (the mask and `outside` come in decided), so
+    a schedule of δ does not recompile it."""
+    logp_k = pi_logp.gather(1, k_index[:, None])[:, 0]
+    mu_logp_k = mu_logp.gather(1, k_index[:, None])[:, 0].to(logp_k.dtype)
+    per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, cfg.clip_ratio_c)
+    loss = aggregate(per_token.reshape(response_mask.shape), response_mask, cfg.aggregation, cfg.horizon)
+    return loss, step_metric_sums(stats, keep, adv, resp, cfg, outside=outside)

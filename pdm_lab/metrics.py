@@ -59,9 +59,12 @@ def count_of(where: Tensor) -> Tensor:
 
 
 def _select(x: Tensor, where: Tensor, fill: float) -> Tensor:
-    """x where `where`, else `fill`; x itself when every entry counts (a batch without padding:
-    one byte-wise check instead of a pass that writes [N])."""
+    """x where `where`, else `fill`; eagerly x itself when every entry counts (a batch without
+    padding: one byte-wise check instead of a pass that writes [N]); compiled, always the select
+    (fused, and a branch on data would break the graph)."""
     where = where.bool()
+    if torch.compiler.is_compiling():
+        return torch.where(where, x, fill)
     return x if bool(all_true(where)) else torch.where(where, x, fill)
 
 
@@ -205,17 +208,19 @@ def sign_certified(stats: "TokenStats") -> Tensor:
 
 @torch.no_grad()
 def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tensor, response: Tensor,
-                     cfg: Any) -> MetricSums:
+                     cfg: Any, *, outside: Tensor | None = None) -> MetricSums:
     """Metrics over response tokens as sums: mask fractions, region, direction disagreement (of
     the rule's own Ḋ estimator, ``cfg.direction_estimator``), D, tails, r.
 
     Args: stats [N]; keep [N] 1/0 or None (no mask yet: the ``mask/frac_dropped*`` keys are left
-    out); advantages [N]; response [N] bool; cfg a ``MaskConfig`` (δ, δ_neg, estimator).
+    out); advantages [N]; response [N] bool; cfg a ``MaskConfig`` (δ, δ_neg, estimator);
+    outside: [N] bool, the response tokens outside the region, when the caller has them.
     The key set depends only on ``keep is None``, ``stats.full_kl`` and the estimator, so every
     rank of a run holds the same keys.
     """
     response = response.bool()
-    outside = outside_region(stats.topk_kl, advantages, cfg) & response
+    if outside is None:
+        outside = outside_region(stats.topk_kl, advantages, cfg) & response
     n, n_out = count_of(response), count_of(outside)  # once each: shared by their keys
     metrics: MetricSums = {}
     if keep is not None:

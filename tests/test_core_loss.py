@@ -98,3 +98,39 @@ def test_binary_divergences_are_computed_only_for_the_rules_that_read_them():
         assert torch.equal(out.keep.reshape(-1), (~(full.binary_kl > 0.05)).to(out.keep.dtype))
     finally:
         MASK_RULES.pop("test_reads_binary_kl")
+
+
+@pytest.mark.compile
+def test_compiled_loss_equals_eager_and_a_delta_schedule_does_not_recompile():
+    """``compiled=True`` runs the stats and the per-token tail (surrogate, aggregation, metric
+    sums, and their backward) as compiled graphs: the same loss, gradient, mask and metrics as
+    eager; and since the tail never reads δ, a new δ each step compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    mu, logits, sampled, support, adv = _setup(b=4, t=6, n=40, seed=3)
+    resp = torch.ones_like(adv, dtype=torch.bool)
+    resp[1, -2:] = False
+    cases = [MaskConfig(rule="pdm_topk", delta=0.05, k=5),
+             MaskConfig(rule="dppo_binary_kl", delta=0.02, k=5, clip_ratio_c=1.5,
+                        aggregation="seq-mean-token-sum-norm", horizon=8)]
+    for cfg in cases:
+        runs = {}
+        for compiled in (False, True):
+            lg = logits.detach().clone().requires_grad_()
+            out = pdm_policy_loss(policy_on_support(lg, support.ids), support, adv, resp, cfg, compiled=compiled)
+            out.loss.backward()
+            runs[compiled] = (out, lg.grad)
+        (eager, g_eager), (comp, g_comp) = runs[False], runs[True]
+        torch.testing.assert_close(comp.loss, eager.loss, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(g_comp, g_eager, rtol=1e-12, atol=1e-14)
+        assert torch.equal(comp.keep, eager.keep) and 0 < int((eager.keep == 0).sum()) < eager.keep.numel()
+        assert comp.metrics.keys() == eager.metrics.keys()
+        for key in eager.metrics:
+            torch.testing.assert_close(comp.metrics[key], eager.metrics[key], rtol=1e-12, atol=1e-14,
+                                       equal_nan=True, msg=key)
+    graphs = counters["stats"]["unique_graphs"]
+    for delta in (0.01, 0.03, 0.07):
+        lg = logits.detach().clone().requires_grad_()
+        pdm_policy_loss(policy_on_support(lg, support.ids), support, adv, resp,
+                        MaskConfig(rule="pdm_topk", delta=delta, k=5), compiled=True).loss.backward()
+    assert counters["stats"]["unique_graphs"] == graphs
