@@ -2,6 +2,7 @@
 process (ratios, not absolute seconds, are what carry across machines).
 
 * mask pipeline (support construction from raw engine output → D → Ḋ → mask → loss → backward)
+  for rule ``pdm_topk`` (which, like every rule but DPPO's binary ones, skips the binary KL/TV)
   on N tokens × K, with and without support construction, against one elementwise pass over the
   same [N, K] inputs, alternated round by round (medians; the load average is reported); target:
   within 3× compiled, 5× eager. The reference runs eagerly in both rows (four kernels: exp, sub,

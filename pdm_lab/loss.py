@@ -32,7 +32,7 @@ class LossOutput:
 
 
 def token_surrogate(logp_k: Tensor, mu_logp_k: Tensor, advantages: Tensor, keep: Tensor,
-                    clip_ratio_c: float | None = None) -> Tensor:
+                    clip_ratio_c: float | Tensor | None = None) -> Tensor:
     """Per-token loss whose gradient is −M·min(r, c)·Â·∇log π_k (M, the cap: constants).
 
     Value −M·Â·min(r, c), computed as exp(log r + sg(min(0, log c − log r))) so the cap never
@@ -40,27 +40,30 @@ def token_surrogate(logp_k: Tensor, mu_logp_k: Tensor, advantages: Tensor, keep:
     Dropped tokens (M = 0) and Â = 0 are *selected* to exactly 0 before any exponential, never
     multiplied by 0: 0·inf = NaN, and a dropped token's log r may be anything finite (issue 9).
     A kept, uncapped token whose r overflows the dtype (log r > ~88 in float32) is +inf: that is
-    the true value, which only a cap (``clip_ratio_c``) or the mask bounds.
+    the true value, which only a cap (``clip_ratio_c``) or the mask bounds. The cap c is a number,
+    or a 0-d tensor (the compiled loss passes it so: a new c is then an input, not a recompile).
     """
     log_ratio = logp_k - mu_logp_k.detach()
     active = keep.detach().bool() & (advantages.detach() != 0)
     # select before exp: the unselected branch gets an exactly-zero gradient, not 0·inf
     log_ratio = torch.where(active, log_ratio, 0.0)
     if clip_ratio_c is not None:  # TIS cap in log space: log min(r, c) = log r + min(0, log c − log r)
-        log_scale = torch.clamp(math.log(clip_ratio_c) - log_ratio.detach(), max=0.0)
+        log_cap = clip_ratio_c.log() if isinstance(clip_ratio_c, Tensor) else math.log(clip_ratio_c)
+        log_scale = torch.clamp(log_cap - log_ratio.detach(), max=0.0)
         log_ratio = log_ratio + log_scale
     value = -advantages.detach() * torch.exp(log_ratio)
     return torch.where(active, value, 0.0)
 
 
 def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
-              horizon: int | None = None) -> Tensor:
+              horizon: int | Tensor | None = None) -> Tensor:
     """Reduce a [B, T] per-token loss over the response tokens.
 
     token-mean: Σ l·m / Σ m (DAPO). seq-mean-token-mean: mean over sequences of each one's token
     mean. seq-mean-token-sum: mean over sequences of token sums. seq-mean-token-sum-norm: mean
     over sequences of token sums / horizon (Dr. GRPO; horizon default T). Padding never counts;
-    sequences with no response token are left out of the sequence means.
+    sequences with no response token are left out of the sequence means. `horizon` may be a 0-d
+    tensor (as the compiled loss passes it).
     """
     if mode not in AGGREGATIONS:
         raise PDMInputError(f"aggregation: unknown {mode!r}; valid: {', '.join(AGGREGATIONS)}")
@@ -80,7 +83,9 @@ def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
     elif mode == "seq-mean-token-sum":
         per_seq = sums
     else:
-        per_seq = sums / float(horizon if horizon is not None else loss_mat.shape[1])
+        if not isinstance(horizon, Tensor):
+            horizon = float(horizon if horizon is not None else loss_mat.shape[1])
+        per_seq = sums / horizon
     return (per_seq * has_tokens).sum() / n_seq
 
 
@@ -119,24 +124,35 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         keep = compute_mask(cfg, stats, adv, response_mask)  # validates; reads δ (never compiled)
         outside = outside_region(stats.topk_kl, adv, cfg) & resp
         if not compile_tail:
-            loss, sums = _surrogate_and_metrics(pi.logp, support.mu_logp, support.k_index, adv, keep, resp,
-                                                response_mask, stats, outside, cfg)
+            loss, sums = _surrogate_and_metrics(pi.logp, support.mu_logp, support.k_index, adv, keep,
+                                                response_mask, stats, outside, cfg.clip_ratio_c, cfg.aggregation,
+                                                cfg.horizon, cfg.direction_estimator)
     if compile_tail:  # one graph forward, one backward, on torch's threads (few kernels, few joins)
+        # Torch 2.13's guard builder fails ("sources must not be empty for symbol …") on a symbol
+        # it made for an input's view base (resp, a view of response_mask) or for a number that
+        # changed between calls: so no view of another input goes in, and the cap and horizon go
+        # in as tensors (a new value is then an input, not a recompile).
+        cap = None if cfg.clip_ratio_c is None else torch.tensor(float(cfg.clip_ratio_c), dtype=torch.float64)
+        horizon = torch.tensor(float(cfg.horizon if cfg.horizon is not None else response_mask.shape[1]),
+                               dtype=torch.float64)
         loss, sums = maybe_compiled(_surrogate_and_metrics, True)(
-            pi.logp, support.mu_logp, support.k_index, adv, keep, resp, response_mask, stats, outside, cfg)
+            pi.logp, support.mu_logp, support.k_index, adv, keep, response_mask, stats, outside, cap,
+            cfg.aggregation, horizon, cfg.direction_estimator)
     return LossOutput(loss=loss, keep=keep.reshape(advantages.shape), stats=stats, metrics=finalize(sums),
                       metric_sums=sums)
 
 
 def _surrogate_and_metrics(pi_logp: Tensor, mu_logp: Tensor, k_index: Tensor, adv: Tensor, keep: Tensor,
-                           resp: Tensor, response_mask: Tensor, stats: TokenStats, outside: Tensor,
-                           cfg: MaskConfig) -> tuple[Tensor, MetricSums]:
+                           response_mask: Tensor, stats: TokenStats, outside: Tensor,
+                           clip_ratio_c: float | Tensor | None, aggregation: str, horizon: int | Tensor | None,
+                           estimator: str) -> tuple[Tensor, MetricSums]:
     """The per-token tail of ``pdm_policy_loss`` after the mask: surrogate, aggregation, metric
-    sums. Eager, or one compiled graph (with its backward). Of `cfg` it reads only the cap, the
-    aggregation and the direction estimator, never δ (the mask and `outside` come in decided), so
-    a schedule of δ does not recompile it."""
+    sums. Eager, or one compiled graph (with its backward). It reads the cap, the aggregation,
+    the horizon and the direction estimator, never δ (the mask and `outside` come in decided),
+    so a schedule of δ does not recompile it."""
     logp_k = pi_logp.gather(1, k_index[:, None])[:, 0]
     mu_logp_k = mu_logp.gather(1, k_index[:, None])[:, 0].to(logp_k.dtype)
-    per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, cfg.clip_ratio_c)
-    loss = aggregate(per_token.reshape(response_mask.shape), response_mask, cfg.aggregation, cfg.horizon)
-    return loss, step_metric_sums(stats, keep, adv, resp, cfg, outside=outside)
+    per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, clip_ratio_c)
+    loss = aggregate(per_token.reshape(response_mask.shape), response_mask, aggregation, horizon)
+    resp = response_mask.reshape(-1).bool()
+    return loss, step_metric_sums(stats, keep, adv, resp, None, outside=outside, estimator=estimator)

@@ -208,13 +208,14 @@ def sign_certified(stats: "TokenStats") -> Tensor:
 
 @torch.no_grad()
 def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tensor, response: Tensor,
-                     cfg: Any, *, outside: Tensor | None = None) -> MetricSums:
+                     cfg: Any, *, outside: Tensor | None = None, estimator: str | None = None) -> MetricSums:
     """Metrics over response tokens as sums: mask fractions, region, direction disagreement (of
     the rule's own Ḋ estimator, ``cfg.direction_estimator``), D, tails, r.
 
     Args: stats [N]; keep [N] 1/0 or None (no mask yet: the ``mask/frac_dropped*`` keys are left
     out); advantages [N]; response [N] bool; cfg a ``MaskConfig`` (δ, δ_neg, estimator);
-    outside: [N] bool, the response tokens outside the region, when the caller has them.
+    outside: [N] bool, the response tokens outside the region, when the caller has them;
+    estimator: the Ḋ estimator (default ``cfg.direction_estimator``). With both, cfg is unused.
     The key set depends only on ``keep is None``, ``stats.full_kl`` and the estimator, so every
     rank of a run holds the same keys.
     """
@@ -245,8 +246,9 @@ def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tenso
     if stats.full_kl is not None:
         metrics["div/full_kl_mean"] = mean_of(stats.full_kl, response, n)
         metrics["div/full_kl_max"] = max_of(stats.full_kl, response, n)
-    if cfg.direction_estimator in stats.ddot:
-        metrics["mask/dir_disagree"] = mean_of(direction_disagreement(stats, cfg.direction_estimator), outside, n_out)
+    estimator = cfg.direction_estimator if estimator is None else estimator
+    if estimator in stats.ddot:
+        metrics["mask/dir_disagree"] = mean_of(direction_disagreement(stats, estimator), outside, n_out)
     metrics["mask/ddot_sign_certified"] = mean_of(sign_certified(stats), outside, n_out)
     return metrics
 

@@ -150,7 +150,7 @@ def topk_policy_loss(config: Any, logits: Tensor, data: Any, *, rule: str, tempe
     sumsq = 2 * support.mu_tail_logp.to(dtype)
     sumsq[valid_flat] = on_rows.tail_log_sumsq[row_of]
     pi = PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq)
-    stats = token_stats(support, pi)
+    stats = token_stats(support, pi, binary=cfg.rule_record.binary_stats)  # as pdm_policy_loss
     adv = torch.where(flat, data["advantages"].reshape(-1).to(dtype), torch.zeros_like(flat, dtype=dtype))
     keep = compute_mask(cfg, stats, adv, resp)
     logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
