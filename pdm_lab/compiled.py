@@ -15,6 +15,7 @@ Tests check compiled == eager == one whole-tensor call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -44,10 +45,48 @@ def maybe_compiled(fn: Callable, compiled: bool | None, *, row_blocks: bool = Fa
     if not (compile_default() if compiled is None else compiled):
         return by_row_blocks(fn) if row_blocks else fn
     if (fn, True) not in _CACHE:
-        _CACHE[(fn, True)] = torch.compile(fn, dynamic=True)
+        graph = torch.compile(fn, dynamic=True)
+        _CACHE[(fn, True)] = functools.wraps(fn)(lambda *args: graph(*unaliased(args)))
     # Not by row blocks: views at other storage offsets and the workers' thread count are guards
     # that recompile the graph (5 compiles of the stats seen at N = 300k, K = 20).
     return _CACHE[(fn, True)]
+
+
+def unaliased(args: tuple) -> tuple:
+    """`args` with a copy of each tensor whose storage an earlier one already uses (tensors given
+    directly, or as fields of a dataclass argument, or as values of such a field's dict).
+
+    Torch 2.13's compiled graphs with dynamic shapes fail building their guards, depending on the
+    hash seed, when two inputs alias ("sources must not be empty for symbol …": AOT autograd
+    gives the shared base a symbol that no input names). A caller's views (two columns of one
+    [N, 2] tensor, a reshape of a mask also passed whole) are legitimate, so they are copied here,
+    where only the compiled path pays (an [N] copy), rather than refused.
+    """
+    seen: set[int] = set()
+
+    def own(t):
+        if not isinstance(t, Tensor) or t.numel() == 0:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            return t.clone()
+        seen.add(ptr)
+        return t
+
+    def walk(a):
+        if isinstance(a, Tensor):
+            return own(a)
+        if dataclasses.is_dataclass(a) and not isinstance(a, type):
+            changes = {}
+            for f in dataclasses.fields(a):
+                v = getattr(a, f.name)
+                new = {k: own(x) for k, x in v.items()} if isinstance(v, dict) else own(v)
+                if new is not v and (not isinstance(v, dict) or any(new[k] is not v[k] for k in v)):
+                    changes[f.name] = new
+            return dataclasses.replace(a, **changes) if changes else a
+        return a
+
+    return tuple(walk(a) for a in args)
 
 
 @contextlib.contextmanager

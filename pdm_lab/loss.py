@@ -128,10 +128,10 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
                                                 response_mask, stats, outside, cfg.clip_ratio_c, cfg.aggregation,
                                                 cfg.horizon, cfg.direction_estimator)
     if compile_tail:  # one graph forward, one backward, on torch's threads (few kernels, few joins)
-        # Torch 2.13's guard builder fails ("sources must not be empty for symbol …") on a symbol
-        # it made for an input's view base (resp, a view of response_mask) or for a number that
-        # changed between calls: so no view of another input goes in, and the cap and horizon go
-        # in as tensors (a new value is then an input, not a recompile).
+        # Torch 2.13's guard builder fails ("sources must not be empty for symbol …") on inputs
+        # that alias (resp, a view of response_mask: ``compiled.unaliased`` would copy it) and on
+        # a number that changed between calls: so resp is derived inside, and the cap and horizon
+        # go in as tensors (a new value is then an input, not a recompile).
         cap = None if cfg.clip_ratio_c is None else torch.tensor(float(cfg.clip_ratio_c), dtype=torch.float64)
         horizon = torch.tensor(float(cfg.horizon if cfg.horizon is not None else response_mask.shape[1]),
                                dtype=torch.float64)

@@ -90,3 +90,42 @@ def test_compiled_stats_equal_eager():
             assert a.ddot.keys() == b.ddot.keys()
             for name in a.ddot:
                 torch.testing.assert_close(a.ddot[name], b.ddot[name], rtol=1e-12, atol=1e-14)
+    # a caller's π tails as two columns of one tensor: inputs that alias reach the graph unaliased
+    from pdm_lab.policy_side import PolicyOnSupport
+    both = torch.stack([pol.tail_logp, pol.tail_log_sumsq], dim=1)
+    aliased = PolicyOnSupport(logp=pol.logp, tail_logp=both[:, 0], tail_log_sumsq=both[:, 1])
+    a, b = (token_stats(support, aliased, compiled=c) for c in (True, False))
+    torch.testing.assert_close(a.topk_kl, b.topk_kl, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(a.ddot["topk"], b.ddot["topk"], rtol=1e-12, atol=1e-14)
+
+
+def test_unaliased_copies_each_later_tensor_on_a_storage_already_used():
+    """What the compiled path hands torch.compile: no two tensors on one storage (direct
+    arguments, dataclass fields, dict values of a field), the same values, gradients still flow."""
+    import dataclasses
+
+    from pdm_lab.compiled import unaliased
+
+    @dataclasses.dataclass(frozen=True)
+    class Pair:
+        x: torch.Tensor
+        parts: dict
+
+    base = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
+    whole = base * 1.0
+    other = torch.randn(5)
+    pair = Pair(x=whole[:, 1], parts={"a": other, "b": torch.randn(3), "c": whole[:, 0]})
+    args = (whole, whole[:, 0], pair, other, None, "s", torch.empty(0), torch.empty(0))
+    out = unaliased(args)
+    assert out[0] is whole and out[4] is None and out[5] == "s"
+    tensors = [out[0], out[1], out[2].x, *out[2].parts.values(), out[3]]
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+    assert len(set(ptrs)) == len(ptrs)
+    torch.testing.assert_close(out[1], whole[:, 0])
+    torch.testing.assert_close(out[2].x, whole[:, 1])
+    torch.testing.assert_close(out[2].parts["c"], whole[:, 0])
+    assert out[2].parts["a"] is other and out[3] is not other  # the first user keeps the original
+    (out[1].sum() + out[2].x.sum()).backward()
+    assert torch.equal(base.grad, torch.ones_like(base))
+    untouched = (torch.randn(3), Pair(x=torch.randn(2), parts={}))
+    assert all(u is v for u, v in zip(unaliased(untouched), untouched))
