@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .errors import PDMInputError
+from .numerics import exp_per_use
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,14 @@ def ddot_head(mu_logp: Tensor, pi_logp: Tensor, k_index: Tensor, *, mu: Tensor |
               pi: Tensor | None = None, diff: Tensor | None = None) -> Tensor:
     """(π_k − μ_k) + Σ_{i∈S} π_i(μ_i − π_i) from [N, m] log-probs on S (or the probs, and
     diff = μ − π when the caller has it); [N]."""
+    at_k = k_index[:, None]
+    if exp_per_use() and mu is None and pi is None and diff is None:  # fused, nothing written
+        local = torch.exp(pi_logp.gather(1, at_k)[:, 0]) - torch.exp(mu_logp.gather(1, at_k)[:, 0])
+        return local + (torch.exp(pi_logp) * (torch.exp(mu_logp) - torch.exp(pi_logp))).sum(dim=-1)
     mu = torch.exp(mu_logp) if mu is None else mu
     pi = torch.exp(pi_logp) if pi is None else pi
     diff = mu - pi if diff is None else diff
-    local = pi.gather(1, k_index[:, None])[:, 0] - mu.gather(1, k_index[:, None])[:, 0]
+    local = pi.gather(1, at_k)[:, 0] - mu.gather(1, at_k)[:, 0]
     return local + (pi * diff).sum(dim=-1)
 
 

@@ -9,6 +9,16 @@ from torch import Tensor
 _LOG_HALF = -math.log(2.0)
 
 
+def exp_per_use() -> bool:
+    """Whether a function should exponentiate its log-probs afresh at each use rather than share
+    one ``exp``: True under ``torch.compile``. On CPU, inductor writes an ``exp`` with several users
+    to memory as its own [N, m] buffer (a fresh allocation and a pass each call), while an ``exp``
+    per use fuses into the consuming reduction and is computed once per entry in registers (the
+    kernel's own CSE): measured on [10⁶, 21] float32, 2 threads, three row sums of μ and π:
+    88 ms shared, 26 ms per use. Eagerly, sharing saves whole passes over memory."""
+    return torch.compiler.is_compiling()
+
+
 def log1mexp(x: Tensor) -> Tensor:
     """log(1 − exp(x)) for x ≤ 0, accurate at both ends (Mächler 2012).
 
@@ -24,8 +34,10 @@ def xlogy_ratio(logp: Tensor, logq: Tensor, p: Tensor | None = None) -> Tensor:
 
     `p` = exp(logp) may be passed when the caller already has it.
     """
-    p = torch.exp(logp) if p is None else p
     # p = 0 would give 0·(−inf − log q) = NaN; where p > 0 and q = 0 the +inf is the true value
+    if torch.compiler.is_compiling() and p is None:  # one exp per use: see ``exp_per_use``
+        return torch.where(torch.exp(logp) > 0, torch.exp(logp) * (logp - logq), 0.0)
+    p = torch.exp(logp) if p is None else p
     if torch.compiler.is_compiling() or p.requires_grad:  # (mul_ would lose what p's gradient needs)
         return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
     term = logp - logq  # eagerly: one temporary, multiplied in place (same values)

@@ -10,7 +10,7 @@ from .compiled import maybe_compiled
 from .direction import DDOT_ESTIMATORS, TailView, ddot, ddot_head, ddot_interval, tail_live
 from .divergence import binary_kl, binary_tv, full_kl, topk_kl, topk_tv
 from .errors import PDMInputError, check_same
-from .numerics import rest_logmass, rest_logmass_from_probs
+from .numerics import exp_per_use, rest_logmass, rest_logmass_from_probs
 from .policy_side import PolicyOnSupport, exact_tail_term
 from .rowops import any_true
 from .support import Support
@@ -50,8 +50,10 @@ def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tai
                     pi_tail_logp=pi_tail_logp, tail_count=tail_count,
                     pi_tail_log_sumsq=pi_tail_log_sumsq, exact_tail=exact_tail,
                     live=tail_live(tail_count, pi_tail))
-    mu, pi = torch.exp(mu_logp), torch.exp(pi_logp)  # once, shared by D, TV and the head
-    diff = mu - pi  # once, shared by TV and the head
+    mu = pi = diff = None  # compiled: each use exponentiates afresh (``numerics.exp_per_use``)
+    if not exp_per_use():  # eagerly once, shared by D, TV, the head and the rests
+        mu, pi = torch.exp(mu_logp), torch.exp(pi_logp)
+        diff = mu - pi
     head = ddot_head(mu_logp, pi_logp, k_index, mu=mu, pi=pi, diff=diff)
     lower, upper = ddot_interval(head, view, torch.exp(mu_kth_logp))
     log_ratio = pi_logp_k - mu_logp_k
@@ -69,8 +71,10 @@ def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tai
         if name != "exact" or exact_tail is not None:
             out[f"ddot_{name}"] = ddot(head, view, name)
     if binary:  # the rests' two passes over [N, m] are a third of this function's work (eager)
-        mu_rest, mu_rescue = rest_logmass_from_probs(mu_logp_k, mu, view.mu_tail, k_index)
-        pi_rest, pi_rescue = rest_logmass_from_probs(pi_logp_k, pi, pi_tail, k_index)
+        mu_rest, mu_rescue = rest_logmass_from_probs(mu_logp_k, torch.exp(mu_logp) if mu is None else mu,
+                                                     view.mu_tail, k_index)
+        pi_rest, pi_rescue = rest_logmass_from_probs(pi_logp_k, torch.exp(pi_logp) if pi is None else pi,
+                                                     pi_tail, k_index)
         out["binary_kl"] = binary_kl(mu_logp_k, pi_logp_k, mu_rest_logp=mu_rest, pi_rest_logp=pi_rest)
         out["rest_rescue"] = mu_rescue | pi_rescue
         out["binary_tv"] = binary_tv(mu_logp_k, pi_logp_k)
