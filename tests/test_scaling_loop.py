@@ -194,13 +194,14 @@ def test_sigkill_launcher_mid_save_leaves_no_rank_and_resume_is_exact(uninterrup
     assert killed_mid_save, "the kill landed after the save had finished"
     done_before = {r["step"] for r in metrics(run_dir)}
     assert 5 not in done_before, "the run finished before it could be killed"
+    # the ranks outlive the launcher by up to the parent-death signal's delay, in which they may
+    # finish the step-4 save (its .tmp renamed): then it is the newest consistent checkpoint;
+    # otherwise the torn step-4 save must be ignored and step 2's used. Read before the resume,
+    # which writes its own step-4 checkpoint.
+    finished = (run_dir / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
     resumed = run(env, run_dir, "b2")
     assert "resumed from" in resumed and "at step " in resumed
     at = int(resumed.split("at step ")[1].split()[0])
-    # the ranks outlive the launcher by up to the parent-death signal's delay, in which they may
-    # finish the step-4 save (its .tmp renamed): then it is the newest consistent checkpoint;
-    # otherwise the torn step-4 save must be ignored and step 2's used
-    finished = (run_dir / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
     print(f"step-4 save {'finished by the dying ranks' if finished else 'torn'}; resumed at {at}")
     assert at == (4 if finished else 2)
     recs = metrics(run_dir)
