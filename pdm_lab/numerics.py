@@ -35,7 +35,7 @@ def xlogy_ratio(logp: Tensor, logq: Tensor, p: Tensor | None = None) -> Tensor:
     `p` = exp(logp) may be passed when the caller already has it.
     """
     # p = 0 would give 0·(−inf − log q) = NaN; where p > 0 and q = 0 the +inf is the true value
-    if torch.compiler.is_compiling() and p is None:  # one exp per use: see ``exp_per_use``
+    if exp_per_use() and p is None:  # one exp per use (see there)
         return torch.where(torch.exp(logp) > 0, torch.exp(logp) * (logp - logq), 0.0)
     p = torch.exp(logp) if p is None else p
     if torch.compiler.is_compiling() or p.requires_grad:  # (mul_ would lose what p's gradient needs)
