@@ -79,7 +79,7 @@ bench: $(STAMP)
 clean-venv:
 	rm -rf $(VENV) $(TRL_VENV) $(VERL_VENV)
 
-# The core's speed and memory on one accelerator (see pdm_lab/gpu_check.py): runs on the device
+# The core's speed and memory on one accelerator (see pdm_lab/tools/gpu_check.py): runs on the device
 # image's own python3 (torch + transformers), from the repo root, nothing installed or downloaded.
 gpu-check:
-	PYTHONPATH=. python3 -m pdm_lab.gpu_check --out $(RESULTS)/gpu_check.json
+	PYTHONPATH=. python3 -m pdm_lab.tools.gpu_check --out $(RESULTS)/gpu_check.json

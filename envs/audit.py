@@ -48,7 +48,8 @@ from .policies import make_policy
 from .problems import ProblemConfig, make_problem
 from .rollout import RolloutRNG
 from .train import TrainConfig, make_optimizer
-from .update import TokenBatch, current_stats, masked_loss, outside_region, token_batch
+from pdm_lab.masks import outside_region
+from .update import TokenBatch, current_stats, masked_loss, token_batch
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 CONTEXTS = ("shared", "distinct")
@@ -349,7 +350,7 @@ def audit_seed(cfg: AuditConfig, seed: int, *, k: int | None = None, mismatch: s
     considered = resp & (tokens.advantages.reshape(-1) != 0)
     with torch.no_grad():
         stats = current_stats(copy.deepcopy(policy).to(PRECISION), tokens, full=False)
-    outside = outside_region(stats, tokens.advantages, ref_mask) & considered
+    outside = outside_region(stats.topk_kl, tokens.advantages.reshape(-1), ref_mask) & considered
     focus = torch.nonzero(outside)[:, 0]
     inputs = _regime_inputs(tokens, stats.topk_kl, outside, considered, ref_mask.k, resp)
     if keep_d is not None:

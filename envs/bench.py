@@ -18,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from pdm_lab.benchtools import best_of
+from pdm_lab.tools.benchtools import best_of
 
 from . import ENV_ID
 from .audit import AuditConfig, run_audit

@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from pdm_lab.audit import regime_table
-from pdm_lab.cli import int_at_least
+from pdm_lab.runtime.cli import int_at_least
 
 from .audit import AuditConfig, _regime_inputs, _table, audit_batch, float64_tokens
 from .mismatch import Mismatch, MismatchSource
-from .update import current_stats, outside_region
+from pdm_lab.masks import outside_region
+from .update import current_stats
 
 
 def toy_inputs(cfg: AuditConfig, seeds: int) -> list[tuple]:
@@ -38,7 +39,7 @@ def toy_inputs(cfg: AuditConfig, seeds: int) -> list[tuple]:
         stats = current_stats(policy.double(), tokens, full=False)
         resp = tokens.response_mask.reshape(-1)
         considered = resp & (tokens.advantages.reshape(-1) != 0)
-        outside = outside_region(stats, tokens.advantages, mask) & considered
+        outside = outside_region(stats.topk_kl, tokens.advantages.reshape(-1), mask) & considered
         out.append(_regime_inputs(tokens, stats.topk_kl, outside, considered, mask.k, resp))
     return out
 

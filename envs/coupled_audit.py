@@ -30,12 +30,13 @@ from pathlib import Path
 import torch
 
 from pdm_lab import audit as stats_lib
-from pdm_lab.cli import int_at_least
+from pdm_lab.runtime.cli import int_at_least
 from pdm_lab.config import to_dict
 
 from .audit import PRECISION, AuditConfig, audit_batch, audit_model, float64_tokens, measure, rule_steps
-from .coupled import toy_coupled_scores
-from .update import current_stats, outside_region
+from .coupled_jvp import toy_coupled_scores
+from pdm_lab.masks import outside_region
+from .update import current_stats
 
 COUPLED = "pdm_coupled"
 DIVERGENCES = stats_lib.MEASURED_DIVERGENCES
@@ -111,7 +112,7 @@ def coupled_audit_seed(cfg: CoupledAuditConfig, seed: int) -> dict:
     considered = resp & (tokens.advantages.reshape(-1) != 0)
     with torch.no_grad():
         stats = current_stats(copy.deepcopy(policy).to(PRECISION), tokens, full=False)
-    focus = torch.nonzero(outside_region(stats, tokens.advantages, ref_mask) & considered)[:, 0]
+    focus = torch.nonzero(outside_region(stats.topk_kl, tokens.advantages.reshape(-1), ref_mask) & considered)[:, 0]
     obs = tokens.obs[resp]
     distinct = int(torch.unique(obs, dim=0).shape[0])
     record = {"seed": seed, "tokens": int(resp.sum()), "active_tokens": int(considered.sum()),

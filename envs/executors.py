@@ -17,7 +17,7 @@ EXECUTORS = ("local", "ray")
 def _init_worker() -> None:
     import torch
 
-    from pdm_lab.lifetime import die_with_parent
+    from pdm_lab.runtime.lifetime import die_with_parent
 
     die_with_parent()  # a killed sweep leaves no worker writing into --out (issue 9)
     torch.set_num_threads(1)

@@ -5,7 +5,7 @@ import json
 import time
 from pathlib import Path
 
-from pdm_lab.locking import DirLock
+from pdm_lab.runtime.locking import DirLock
 
 from .audit import AuditConfig, run_audit
 from .plots import audit_figures, sweep_figures

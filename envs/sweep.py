@@ -6,7 +6,7 @@ Layout of a results directory::
     cells/<cell_id>/config.json     the cell's TrainConfig (everything but the seed)
     cells/<cell_id>/seed_<s>.jsonl  per-step metrics, appended while the run goes
     cells/<cell_id>/seed_<s>.json   the finished run: its table row and reward curve
-    results.csv, results.json       the tidy table, one ``pdm_lab.results.SweepRow`` per cell × seed
+    results.csv, results.json       the tidy table, one ``pdm_lab.runtime.results.SweepRow`` per cell × seed
 
 A run counts as finished once ``seed_<s>.json`` exists; it is written atomically by the
 coordinating process as soon as the run's result arrives. Re-running the same command skips
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Annotated
 
 from pdm_lab.config import ConfigError, at_least, config_dataclass, from_dict, non_negative, to_dict  # field checks
-from pdm_lab.locking import DirLock
+from pdm_lab.runtime.locking import DirLock
 from pdm_lab.masks import get_mask_rule
-from pdm_lab.results import COLUMNS, ResultsError, SweepRow, cell_path, row_from_dict, write_results
+from pdm_lab.runtime.results import COLUMNS, ResultsError, SweepRow, cell_path, row_from_dict, write_results
 
 from .mismatch import Mismatch
 from .records import plain, read_json_or_quarantine, read_jsonl, write_json_atomic, write_text_atomic
@@ -216,7 +216,7 @@ def load_runs(cfg: SweepConfig, out: str | Path) -> list[dict]:
 
 
 def write_table(cfg: SweepConfig, out: str | Path) -> list[SweepRow]:
-    """results.csv and results.json (``pdm_lab.results``): one typed row per finished cell × seed."""
+    """results.csv and results.json (``pdm_lab.runtime.results``): one typed row per finished cell × seed."""
     out = Path(out)
     try:
         rows = [row_from_dict(run["row"], str(run_path(out, run["row"]["cell_id"], run["row"]["seed"])))

@@ -25,7 +25,8 @@ from .policies import POLICY_KINDS, make_policy
 from .problems import ProblemConfig, make_problem
 from .records import JsonlWriter
 from .rollout import RolloutRNG
-from .update import current_stats, masked_loss, outside_region, token_batch
+from pdm_lab.masks import outside_region
+from .update import current_stats, masked_loss, token_batch
 
 OPTIMIZERS = ("adam", "sgd")
 #: a smaller fall of the smoothed reward is not a collapse, whatever its fraction (batch noise)
@@ -166,7 +167,7 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
                         break
                     parts.append(out.metric_sums)
                     if cfg.track_unsafe_keep:  # SPEC §6 online: did the kept outside tokens' D grow?
-                        outside = outside_region(out.stats, mb.advantages, cfg.mask) & mb.response_mask.reshape(-1)
+                        outside = outside_region(out.stats.topk_kl, mb.advantages.reshape(-1), cfg.mask) & mb.response_mask.reshape(-1)
                         kept = outside & (out.keep.reshape(-1) > 0) & (mb.advantages.reshape(-1) != 0)
                         after = current_stats(policy, mb, full=False)
                         rates = unsafe_keep_rates(after.topk_kl - out.stats.topk_kl, kept)

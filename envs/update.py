@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pdm_lab import masks
 from pdm_lab.config import MaskConfig
 from pdm_lab.loss import LossOutput, pdm_policy_loss
 from pdm_lab.policy_side import policy_on_support
@@ -96,12 +95,12 @@ def masked_loss(policy, tokens: TokenBatch, cfg: MaskConfig, *, full: bool | Non
 
     ``full`` passes both full distributions to the core (``exact`` Ḋ, full-KL metrics); by
     default only when the rule needs them, since they cost two extra [N, n] passes. A rule that
-    needs ``coupled`` (``pdm_coupled``) gets c_t from ``envs/coupled.py``, preconditioned by
+    needs ``coupled`` (``pdm_coupled``) gets c_t from ``envs/coupled_jvp.py``, preconditioned by
     ``optimizer``'s state (None: the identity).
     """
     coupled = None
     if "coupled" in cfg.rule_record.needs:
-        from .coupled import toy_coupled_scores  # SPEC §3b: u by backward, g by JVP
+        from .coupled_jvp import toy_coupled_scores  # SPEC §3b: u by backward, g by JVP
         coupled = toy_coupled_scores(policy, tokens, cfg, optimizer).c
     logits = policy(tokens.obs)
     pi = policy_on_support(logits, tokens.support.ids)
@@ -123,6 +122,3 @@ def current_stats(policy, tokens: TokenBatch, *, full: bool = True) -> TokenStat
                        pi_full=torch.log_softmax(logits, dim=-1))
 
 
-def outside_region(stats: TokenStats, advantages: Tensor, cfg: MaskConfig) -> Tensor:
-    """[N] bool, D > δ (δ_neg for Â < 0): the tokens a trust-region rule judges (SPEC §4, §6)."""
-    return masks.outside_region(stats.topk_kl, advantages.reshape(-1), cfg)

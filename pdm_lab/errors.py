@@ -97,6 +97,6 @@ def exit_code(err: BaseException) -> int:
         input_errors += (yaml.YAMLError,)
     except ImportError:  # pragma: no cover - yaml is a dependency
         pass
-    from .locking import LockHeldError
+    from .runtime.locking import LockHeldError
 
     return 2 if isinstance(err, (*input_errors, LockHeldError)) else 1

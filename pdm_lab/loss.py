@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .compiled import compile_default, maybe_compiled, one_thread
+from .fast.compiled import compile_default, maybe_compiled, one_thread
 from .config import AGGREGATIONS, MaskConfig
 from .errors import PDMInputError, check_same, check_tensor
 from .masks import compute_mask, get_mask_rule, outside_region

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .masks import outside_region
-from .rowops import all_true
+from .fast.rowops import all_true
 
 if TYPE_CHECKING:
     from .stats import TokenStats

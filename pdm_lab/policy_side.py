@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .errors import PDMInputError, check_logp, check_same, check_tensor, raise_at
-from .compiled import maybe_compiled
+from .fast.compiled import maybe_compiled
 from .numerics import masked_logsumexp
 
 #: Elements of one float32 chunk of logits (4 MiB): a few such temporaries bound peak memory.

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .compiled import maybe_compiled
+from .fast.compiled import maybe_compiled
 from .direction import DDOT_ESTIMATORS, TailView, ddot, ddot_head, ddot_interval, tail_live
 from .divergence import binary_kl, binary_tv, full_kl, topk_kl, topk_tv
 from .errors import PDMInputError, check_same
 from .numerics import exp_per_use, rest_logmass, rest_logmass_from_probs
 from .policy_side import PolicyOnSupport, exact_tail_term
-from .rowops import any_true
+from .fast.rowops import any_true
 from .support import Support
 
 
@@ -39,7 +39,7 @@ class TokenStats:
     """c_t of SPEC §3b (``pdm_lab.coupled``), supplied by the stage for ``pdm_coupled``; else None."""
 
 
-def _support_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor,
+def _token_stats_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor,
                   pi_tail_log_sumsq: Tensor, k_index: Tensor, tail_count: Tensor, mu_kth_logp: Tensor,
                   exact_tail: Tensor | None, binary: bool = True) -> dict[str, Tensor]:
     """The tensor math of ``token_stats``: pure, so ``torch.compile`` can fuse it unchanged."""
@@ -117,7 +117,7 @@ def token_stats(support: Support, pi: PolicyOnSupport, *, mu_full: Tensor | None
         full = full_kl(mu_full, pi_full).to(dtype)
     if pi_logp.shape[0] == 0:
         compiled = False  # nothing to fuse; skip the compile
-    math = maybe_compiled(_support_math, compiled, row_blocks=True)
+    math = maybe_compiled(_token_stats_math, compiled, row_blocks=True)
     out = math(support.mu_logp.to(dtype), pi_logp, support.mu_tail_logp.to(dtype),
                pi.tail_logp.to(dtype), pi.tail_log_sumsq.to(dtype), support.k_index,
                support.tail_count, support.mu_kth_logp.to(dtype), exact, binary)

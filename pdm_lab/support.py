@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 
 from . import support_checks as checks
-from . import compiled as compiled_mod
-from .compiled import maybe_compiled
+from .fast import compiled as compiled_mod
+from .fast.compiled import maybe_compiled
 from .errors import logp_tolerance
 from .numerics import log1mexp, masked_logsumexp
-from .rowops import (all_true, any_duplicate, any_true, append_column, first_true, head_log_mass, order_rows,
+from .fast.rowops import (all_true, any_duplicate, any_true, append_column, first_true, head_log_mass, order_rows,
                      rows_out_of_order, when)
 from .support_checks import CONVENTIONS  # noqa: F401  (re-exported: the conventions' names)
 

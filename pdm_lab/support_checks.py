@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .errors import PDMInputError, check_logp, check_same, check_tensor, logp_tolerance, raise_at
-from .rowops import all_true, any_true, first_true, head_log_mass
+from .fast.rowops import all_true, any_true, first_true, head_log_mass
 
 CONVENTIONS = ("union", "kslot")
 _NEG_INF = float("-inf")

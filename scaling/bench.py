@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from pdm_lab.benchtools import in_fresh_process, peak_extra_mb
+from pdm_lab.tools.benchtools import in_fresh_process, peak_extra_mb
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-cpu.yaml"
 
 
 def _run_loop(config: Path, steps: int, workdir: Path) -> list[dict]:
     run_dir = workdir / "run"
-    cmd = [sys.executable, "-m", "pdm_lab.scaling.cli", "train", "--config", str(config),
+    cmd = [sys.executable, "-m", "pdm_lab.scaling.commands", "train", "--config", str(config),
            f"total_steps={steps}", "eval.every=0", "checkpoint.every=0", "log.sync_check_every=0",
            "log.tensorboard=false", f"run_dir={run_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir)
@@ -166,7 +166,7 @@ PHASES = ("generate", "sync", "train", "loss")
 def _ours(config: Path, steps: int, ranks: int, workdir: Path) -> dict:
     """One run of ``pdm-lab train``: median step and phase times (ms) over steps 2..N."""
     run_dir = workdir / f"ours_{ranks}"
-    cmd = [sys.executable, "-m", "pdm_lab.scaling.cli", "train", "--config", str(config),
+    cmd = [sys.executable, "-m", "pdm_lab.scaling.commands", "train", "--config", str(config),
            *LOOP_WORKLOAD, f"total_steps={steps}", f"run_dir={run_dir}", "checkpoint.resume=never"]
     if ranks:
         cmd.append(f"launch.nproc_per_node={ranks}")

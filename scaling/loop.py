@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pdm_lab.advantages import group_advantages
-from pdm_lab.lifetime import guard_rank
+from pdm_lab.runtime.lifetime import guard_rank
 
 from .assets import check_model_config, load_data, load_tokenizer, model_dir, stop_token_ids
 from .checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint, set_rng_state

@@ -1,6 +1,6 @@
 """``pdm-lab promote``: carry the best toy-sweep configuration into a full-run config.
 
-Reads a sweep's table through the core schema (``pdm_lab.results``: typed ``SweepRow``s from
+Reads a sweep's table through the core schema (``pdm_lab.runtime.results``: typed ``SweepRow``s from
 ``results.json`` or ``results.csv``, with a schema version), never the toy stage's code. Every
 path it opens resolves strictly inside the sweep directory; a non-finite configuration value, a
 truncated file or an unknown schema is a one-line error naming the file.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pdm_lab.config import MaskConfig, from_dict
-from pdm_lab.results import COLUMNS, ResultsError, SweepRow, cell_path, read_results
+from pdm_lab.runtime.results import COLUMNS, ResultsError, SweepRow, cell_path, read_results
 
 from .config import Provenance, load_config, save_config
 

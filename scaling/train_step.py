@@ -25,7 +25,7 @@ from pdm_lab.metrics import MetricSums, all_reduce_metrics, as_mismatch, finaliz
 from pdm_lab.policy_side import PolicyOnSupport
 from pdm_lab.support import support_from_topk
 
-from .coupled import coupled_for_minibatch
+from .coupled_fd import coupled_for_minibatch
 from .policy_model import DTYPES
 from .rollout import RolloutBatch
 
@@ -165,7 +165,7 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         parts: list[MetricSums] = []
         loss_sum = loss_weight = 0.0  # Σ loss·w and Σ w over micro-batches (w: tokens or sequences)
         coupled, coupled_info = [None] * len(micros), {}
-        if "coupled" in mask_cfg.rule_record.needs:  # SPEC §3b: c_t before the loss (scaling/coupled.py)
+        if "coupled" in mask_cfg.rule_record.needs:  # SPEC §3b: c_t before the loss (scaling/coupled_fd.py)
             t0 = time.perf_counter()
             coupled, coupled_info = coupled_for_minibatch(
                 policy, optimizer, micros, [micro_batch_support(mb, mask_cfg, vocab_size) for mb in micros],

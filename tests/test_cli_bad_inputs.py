@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdm_lab.locking import DirLock
+from pdm_lab.runtime.locking import DirLock
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "scaling" / "configs" / "tiny-cpu.yaml"

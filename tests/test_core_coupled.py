@@ -8,7 +8,7 @@ import torch
 from pdm_lab.config import MaskConfig
 from pdm_lab.coupled import CoupledDirection, coupled_contribution, coupled_scores, differentiable_topk_kl
 from pdm_lab.envs.bandit import BanditConfig
-from pdm_lab.envs.coupled import JVPDirection, preconditioner, toy_coupled_scores
+from pdm_lab.envs.coupled_jvp import JVPDirection, preconditioner, toy_coupled_scores
 from pdm_lab.envs.mismatch import Mismatch
 from pdm_lab.envs.policies import make_policy
 from pdm_lab.envs.problems import ProblemConfig, make_problem
@@ -17,7 +17,7 @@ from pdm_lab.envs.update import current_stats, masked_loss, token_batch
 from pdm_lab.errors import PDMInputError
 from pdm_lab.masks import get_mask_rule
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.scaling.coupled import central_difference, central_difference_eps
+from pdm_lab.scaling.coupled_fd import central_difference, central_difference_eps
 
 CFG = MaskConfig(rule="pdm_coupled", delta=0.05, k=5)
 

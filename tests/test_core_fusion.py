@@ -43,9 +43,9 @@ def _stats_args(binary: bool):
 
 @pytest.mark.parametrize("binary", [False, True])
 def test_compiled_stats_write_no_row_by_support_buffer(binary):
-    from pdm_lab.stats import _support_math
+    from pdm_lab.stats import _token_stats_math
 
-    assert buffers_2d(_support_math, *_stats_args(binary)) == []
+    assert buffers_2d(_token_stats_math, *_stats_args(binary)) == []
 
 
 def test_a_shared_exp_is_written_as_a_buffer_planted():

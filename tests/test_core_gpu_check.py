@@ -18,7 +18,7 @@ def test_gpu_check_tiny_writes_every_section(tmp_path):
                            "for m in (torch, transformers, yaml)}))"],
                           capture_output=True, text=True, check=True).stdout.strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), site])
-    res = subprocess.run([sys.executable, "-S", "-m", "pdm_lab.gpu_check", "--tiny", "--device", "cpu",
+    res = subprocess.run([sys.executable, "-S", "-m", "pdm_lab.tools.gpu_check", "--tiny", "--device", "cpu",
                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(out.read_text())
@@ -28,7 +28,7 @@ def test_gpu_check_tiny_writes_every_section(tmp_path):
     assert report["gather"]["chunked"]["seconds"] > 0 and report["gather"]["naive"]["peak_extra_mb"] >= 0
     model = report["model"]
     assert 0 < model["chunked"]["mask_share"] < 1 and model["params"] > 0
-    imported = subprocess.run([sys.executable, "-S", "-c", "import pdm_lab.gpu_check, sys; "
+    imported = subprocess.run([sys.executable, "-S", "-c", "import pdm_lab.tools.gpu_check, sys; "
                                "print(sorted({m.split('.')[0] for m in sys.modules}))"],
                               cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
     # what the device image lacks must not be imported (it has torch, transformers, yaml; no vllm)

@@ -16,8 +16,8 @@ import typing
 import pytest
 
 from pdm_lab.config import ConfigError, MaskConfig, check_fields
-from pdm_lab.lifetime import alive
-from pdm_lab.locking import DirLock, LockHeldError
+from pdm_lab.runtime.lifetime import alive
+from pdm_lab.runtime.locking import DirLock, LockHeldError
 
 # ---------------------------------------------------------------------------- config fields
 
@@ -105,7 +105,7 @@ def test_sampled_logp_contradicting_its_topk_entry_is_refused():
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from pdm_lab.locking import DirLock
+    from pdm_lab.runtime.locking import DirLock
     DirLock(sys.argv[1], what="run directory").acquire()
     print("held", flush=True)
     time.sleep(120)
@@ -147,7 +147,7 @@ def test_sweep_refuses_an_out_directory_in_use(tmp_path):
 
 WORKER = textwrap.dedent("""
     import os, sys, time
-    from pdm_lab.lifetime import die_with_parent, watch_launcher
+    from pdm_lab.runtime.lifetime import die_with_parent, watch_launcher
     if sys.argv[1] == "pdeathsig":
         die_with_parent()
     else:

@@ -104,7 +104,7 @@ def test_unaliased_copies_each_later_tensor_on_a_storage_already_used():
     arguments, dataclass fields, dict values of a field), the same values, gradients still flow."""
     import dataclasses
 
-    from pdm_lab.compiled import unaliased
+    from pdm_lab.fast.compiled import unaliased
 
     @dataclasses.dataclass(frozen=True)
     class Pair:

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from core_helpers import random_logp, sample_from
-from pdm_lab import compiled as compiled_mod
-from pdm_lab import rowops
-from pdm_lab.benchtools import rollout_like_inputs
+from pdm_lab.fast import compiled as compiled_mod
+from pdm_lab.fast import rowops
+from pdm_lab.tools.benchtools import rollout_like_inputs
 from pdm_lab.errors import PDMInputError
 from pdm_lab.support import support_from_full, support_from_slots, support_from_topk
 from pdm_lab.support_checks import outside

@@ -147,7 +147,7 @@ def test_compiled_support_matches_eager(monkeypatch, block_rows):
     """The torch.compile path builds the same support as eager, and fails with the same message.
     With 5-row blocks, the rows out of order (more than a block) are redone by the compiled graph
     and by eager row blocks, instead of one eager call."""
-    from pdm_lab import compiled as compiled_mod
+    from pdm_lab.fast import compiled as compiled_mod
     monkeypatch.setattr(compiled_mod, "BLOCK_ROWS", block_rows)
     for seed in range(3):
         ids, vals, sampled, sampled_logp, n = _engine_batch(seed)

@@ -87,7 +87,8 @@ def test_scaled_steps_equal_separate_steps(optimizer):
     import torch
 
     from pdm_lab.envs.audit import audit_batch, float64_tokens, measure, rule_step, rule_steps
-    from pdm_lab.envs.update import current_stats, outside_region
+    from pdm_lab.envs.update import current_stats
+    from pdm_lab.masks import outside_region
 
     audit = dataclasses.replace(_cfg("neural", seeds=1).audit, optimizer=optimizer)
     _, policy, batch, adv = audit_batch(audit, 0)
@@ -96,7 +97,7 @@ def test_scaled_steps_equal_separate_steps(optimizer):
     model = copy.deepcopy(policy).to(torch.float64)
     with torch.no_grad():
         stats = current_stats(model, tokens, full=False)
-    focus = torch.nonzero(outside_region(stats, tokens.advantages, mask) & tokens.response_mask.reshape(-1))[:, 0]
+    focus = torch.nonzero(outside_region(stats.topk_kl, tokens.advantages.reshape(-1), mask) & tokens.response_mask.reshape(-1))[:, 0]
     assert focus.numel() > 0
     before = measure(model, tokens.rows(focus))
     scaled = rule_steps(model, tokens, mask, audit, focus, before, (0.1, 1.0, 10.0))

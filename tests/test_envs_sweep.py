@@ -15,7 +15,7 @@ from pdm_lab.envs.executors import LocalExecutor, make_executor
 from pdm_lab.envs.problems import ProblemConfig
 from pdm_lab.envs.sweep import COLUMNS, SweepConfig, cell_id, load_runs, mismatch_axis, run_sweep
 from pdm_lab.envs.train import TrainConfig
-from pdm_lab.results import read_results
+from pdm_lab.runtime.results import read_results
 
 TINY = SweepConfig(
     base=TrainConfig(problem=ProblemConfig(kind="bandit"), steps=2, groups_per_step=8, group_size=8),

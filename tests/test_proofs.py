@@ -11,7 +11,7 @@ import torch
 
 from pdm_lab import direction, policy_side
 from pdm_lab.proofs import CLAIMS, run_proofs, select_claims
-from pdm_lab.proofs.cli import prove, register
+from pdm_lab.proofs.commands import prove, register
 from pdm_lab.proofs.runner import run_claim
 
 
@@ -114,7 +114,7 @@ def test_prove_exits_nonzero_and_shows_instance(monkeypatch, tmp_path, capsys):
 def test_cli_as_a_user_runs_it(tmp_path):
     out = tmp_path / "results" / "proofs.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "pdm_lab.cli", "prove", "--only", "c_rewrite,tail_sumsq", "--out", str(out)],
+        [sys.executable, "-m", "pdm_lab.runtime.cli", "prove", "--only", "c_rewrite,tail_sumsq", "--out", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2/2 claims pass" in proc.stdout

@@ -195,7 +195,7 @@ def test_promotable_from_a_sweep(tmp_path):
     import dataclasses
     from pathlib import Path
 
-    from pdm_lab.results import write_results
+    from pdm_lab.runtime.results import write_results
     from pdm_lab.scaling.config import load_config
     from pdm_lab.scaling.promote import promote
     from test_scaling_promote import row

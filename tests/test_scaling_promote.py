@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pdm_lab.config import MaskConfig
-from pdm_lab.results import SCHEMA_VERSION, ResultsError, SweepRow, read_results, write_results
+from pdm_lab.runtime.results import SCHEMA_VERSION, ResultsError, SweepRow, read_results, write_results
 from pdm_lab.scaling.config import load_config
 from pdm_lab.scaling.promote import SweepError, choose, group_cells, promote
 
@@ -187,7 +187,7 @@ def test_non_finite_or_truncated_cell_config(tmp_path):
 
 
 def test_promote_cli(tmp_path, capsys):
-    from pdm_lab.cli import main
+    from pdm_lab.runtime.cli import main
 
     sweep = sweep_dir(tmp_path, name="s")
     out = tmp_path / "o.yaml"
@@ -201,7 +201,7 @@ def test_promote_cli(tmp_path, capsys):
 
 def test_promote_from_a_real_toy_sweep(tmp_path):
     """The toy stage's own sweep output (results schema, cells/<id>/config.json) promotes unchanged."""
-    from pdm_lab.cli import main
+    from pdm_lab.runtime.cli import main
 
     out_dir = tmp_path / "sweep"
     assert main(["sweep", "--preset", "quick", "rules=[dppo_topk_kl,pdm_uniform]", "mismatches=[noise:1]",

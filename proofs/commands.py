@@ -2,7 +2,7 @@
 
     pdm-lab prove                       # all claims, results/proofs.md
     pdm-lab prove --only bound --seed 3 # claims whose name contains "bound"
-    python -m pdm_lab.proofs.cli        # the same without the umbrella command
+    python -m pdm_lab.proofs.commands        # the same without the umbrella command
 
 Exit status 0 when every selected claim passes, 1 when one fails (its instance is printed), 2 for
 a pattern that matches no claim.

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .cli import int_at_least
-from .diagnose import DIAGNOSE_MASKS, diagnose
+from ..runtime.cli import int_at_least
+from ..diagnose import DIAGNOSE_MASKS, diagnose
 from .synthetic import synthetic_batch
 
 

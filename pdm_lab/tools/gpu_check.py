@@ -1,7 +1,7 @@
 """``make gpu-check``: the core's speed and memory on one accelerator, as one JSON.
 
 Runs from the repository root without installing anything (``PYTHONPATH=. python3 -m
-pdm_lab.gpu_check``) on a device image with torch and transformers only (no vLLM, nothing
+pdm_lab.tools.gpu_check``) on a device image with torch and transformers only (no vLLM, nothing
 downloaded: the model is a random init from a config). Three sections, written as each finishes:
 
 * ``copy``: measured device copy bandwidth (bytes read + written / time), the limit the next
@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from .benchtools import alternated_medians, load_average, peak_extra_mb, policy_like, rollout_like_inputs
-from .config import MaskConfig
-from .loss import pdm_policy_loss
-from .policy_side import policy_on_support, policy_on_support_reference
-from .support import support_from_topk
+from ..config import MaskConfig
+from ..loss import pdm_policy_loss
+from ..policy_side import policy_on_support, policy_on_support_reference
+from ..support import support_from_topk
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     pdm-lab train --config scaling/configs/tiny-cpu.yaml [key.path=value ...] [--dry-run]
     pdm-lab promote SWEEP_DIR --base scaling/configs/qwen3-4b-base-dapo.yaml --out FILE.yaml
 
-Also runnable without the top-level CLI: ``python -m pdm_lab.scaling.cli train ...``.
+Also runnable without the top-level CLI: ``python -m pdm_lab.scaling.commands train ...``.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from pdm_lab.results import ResultsError
+    from pdm_lab.runtime.results import ResultsError
 
     from .promote import promote
 
@@ -108,7 +108,7 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdm_lab.scaling.cli")
+    parser = argparse.ArgumentParser(prog="pdm_lab.scaling.commands")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

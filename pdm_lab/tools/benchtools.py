@@ -88,7 +88,7 @@ def load_average() -> float:
 
 
 #: Settings that change how fresh memory is paid for: first touch of a large block (page faults)
-#: dominates an eager reference pass on glibc's defaults (see ``pdm_lab.bench``).
+#: dominates an eager reference pass on glibc's defaults (see ``pdm_lab.tools.bench``).
 ALLOCATOR_SETTINGS = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
 
 
@@ -123,7 +123,7 @@ def rollout_like_inputs(n_tokens: int, k: int, vocab: int, seed: int = 0, device
 
 def policy_like(support, noise: torch.Tensor):
     """π on the support (a leaf with grad): μ's head and tail atoms perturbed by `noise` [N, ≥ m+1]."""
-    from .policy_side import PolicyOnSupport
+    from ..policy_side import PolicyOnSupport
     m = support.ids.shape[1]
     raw = torch.cat([support.mu_logp, support.mu_tail_logp[:, None]], dim=1) + noise[:, : m + 1]
     logp = torch.log_softmax(raw, dim=1)

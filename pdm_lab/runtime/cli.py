@@ -1,5 +1,5 @@
 """``pdm-lab``: one command line whose commands are entry-point plugins (group
-``pdm_lab.commands``, see ``pdm_lab.plugins``): the core, each stage and any other installed
+``pdm_lab.commands``, see ``pdm_lab.runtime.plugins``): the core, each stage and any other installed
 package register theirs the same way; this module names none of them."""
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - every failure is one line naming the input (issue 9)
         if args.debug or os.environ.get("PDM_LAB_DEBUG"):
             raise
-        from .errors import exit_code, one_line
+        from ..errors import exit_code, one_line
 
         print(f"pdm-lab {args.command}: error: {one_line(err)} (--debug for the traceback)", file=sys.stderr)
         return exit_code(err)

@@ -32,11 +32,11 @@ import torch
 
 from .benchtools import (allocator_setting, alternated_medians, best_of, in_fresh_process, load_average,
                          peak_extra_mb, policy_like, rollout_like_inputs)
-from .config import MaskConfig
-from .loss import pdm_policy_loss
-from .plugins import BENCHMARKS, BENCHMARKS_ON_DEMAND, PluginError, discover, load
-from .policy_side import policy_on_support, policy_on_support_reference
-from .support import support_from_topk
+from ..config import MaskConfig
+from ..loss import pdm_policy_loss
+from ..runtime.plugins import BENCHMARKS, BENCHMARKS_ON_DEMAND, PluginError, discover, load
+from ..policy_side import policy_on_support, policy_on_support_reference
+from ..support import support_from_topk
 
 
 def bench_mask_pipeline(n_tokens: int, k: int, repeat: int, modes=(False, True)) -> list[dict]:

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pdm_lab.cli import int_at_least
+from pdm_lab.runtime.cli import int_at_least
 from pdm_lab.config import ConfigError, apply_overrides, from_dict, to_dict
 
 OVERRIDES_HELP = "key.path=value overrides of the config's fields (YAML values: rules=[a,b] base.steps=3)"
@@ -149,7 +149,7 @@ def audit_main(args: argparse.Namespace) -> int:
 
 
 def sweep_main(args: argparse.Namespace) -> int:
-    from pdm_lab.results import ResultsError
+    from pdm_lab.runtime.results import ResultsError
 
     from .executors import make_executor
     from .pipeline import sweep_to_dir
