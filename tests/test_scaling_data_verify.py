@@ -9,8 +9,9 @@ import pytest
 
 from pdm_lab.scaling.config import DataConfig
 from pdm_lab.scaling.data import DataError, PromptSampler, get_field, load_prompts
+from pdm_lab.scaling.math_value import parse_value
 from pdm_lab.scaling.verifiers import (RewardError, extract_final_answer, get_verifier, math_equal,
-                                       parse_value, score_responses, verify_math)
+                                       score_responses, verify_math)
 
 
 class CharTokenizer:
@@ -110,6 +111,8 @@ def test_sampler_order_is_seeded_and_resumable():
     ("no final answer here 4", "4", 0.0),
     ("\\boxed{9^{9^{9^{9}}}}", "1", 0.0),  # bounded exponents: no hang, just unequal
     ("\\boxed{1/0}", "1", 0.0),
+    ("\\boxed{٣}", "3", 0.0),  # ASCII digits only: an Arabic-Indic 3 is not the number 3
+    ("Answer: １２３", "123", 0.0),
 ])
 def test_math_verifier(response, answer, expected):
     assert verify_math(response, answer) == expected

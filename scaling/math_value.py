@@ -1,0 +1,365 @@
+"""Exact values of short math answers, and the worker process that computes them under a budget.
+
+A small recursive-descent parser (numbers, + − × ÷ ^, parentheses, ``\\frac``, ``\\sqrt``, π)
+builds sympy numbers directly (no ``eval``, no ``sympify`` of text); ``grade_values`` compares
+two answers' values. Model output is data, possibly adversarial: the parser bounds what it builds
+(the limits below), but sympy's own algorithms (``is_rational`` → ``minimal_polynomial``,
+``evalf``) run in C-speed loops that no step counter sees, for minutes and gigabytes on a
+one-line input. So the verifier never calls them in its own process: ``serve`` runs this file
+as a separate worker (``python math_value.py --serve``, ``pdm_lab.scaling.math_worker`` starts
+and kills it) with a CPU-time and an address-space limit, and the parent kills it when a reply
+is late.
+
+This module imports only the standard library and sympy: the worker runs it by path, without
+``pdm_lab`` (and torch) in its memory.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+
+import sympy
+
+# ---------------------------------------------------------------------------- budget
+
+#: Limits per parse: a completion is data from a model, possibly adversarial, and one stalled
+#: verifier call stalls its rank and, through the collectives, every rank.
+MAX_ANSWER_CHARS = 512
+"""Extracted answers longer than this are unparseable (a real final answer is short)."""
+MAX_TOKENS = 200
+"""Tokens in one parsed answer."""
+MAX_BITS = 4096
+"""Bit length cap on every numerator/denominator the parser keeps (about 1233 digits); a power is
+refused *before* it is computed if its result would exceed it, so no intermediate ever exceeds
+2·MAX_BITS (the product of two kept values, refused right after)."""
+MAX_DEPTH = 32
+"""Nesting depth of groups (parentheses, braces, fractions, roots)."""
+MAX_ROOT = 64
+"""Largest root index / exponent denominator: ``\\sqrt[n]{x}`` and ``x^{p/q}`` need n, q ≤ this."""
+TIME_BUDGET_S = 1.0
+"""Seconds per grading: the worker's parser stops between steps past it, the worker's CPU limit
+and the parent's kill hold it inside sympy."""
+
+
+class _ParseError(ValueError):
+    pass
+
+
+class _Budget:
+    """Counts parser steps and stops the parser past its deadline; ``max_bits`` records the
+    largest integer built (for tests bounding the worst case)."""
+
+    def __init__(self, seconds: float = TIME_BUDGET_S):
+        self.deadline = time.monotonic() + seconds
+        self.ops = 0
+        self.max_bits = 0
+
+    def tick(self) -> None:
+        self.ops += 1
+        if time.monotonic() > self.deadline:
+            raise _ParseError("time budget exceeded")
+
+    def check(self, value: sympy.Expr) -> sympy.Expr:
+        """Refuse a rational whose numerator or denominator exceeds ``MAX_BITS``."""
+        if isinstance(value, sympy.Rational):
+            bits = max(int(value.p).bit_length(), int(value.q).bit_length())
+            self.max_bits = max(self.max_bits, bits)
+            if bits > MAX_BITS:
+                raise _ParseError("number too large")
+        elif value.is_number:  # irrational: bound every rational inside it
+            for atom in value.atoms(sympy.Rational):
+                self.check(atom)
+        return value
+
+
+# ---------------------------------------------------------------------------- safe value parser
+
+# ASCII digits only: Python's \d and str.isdigit also take '٣' and '１２３', which are not numbers
+_DIGITS_ASCII = "0123456789"
+_TOKEN = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+|\.[0-9]+[eE][-+]?[0-9]+|[0-9]+\.[0-9]*|\.[0-9]+"
+                    r"|[0-9]+|\\frac|\\sqrt|\\pi|\\cdot|\\times|\\div|[-+*/^(){}\[\]]|pi)", re.ASCII)
+_SCI = re.compile(r"([0-9.]+)[eE]([-+]?[0-9]+)", re.ASCII)
+
+
+def _is_number_token(tok: str) -> bool:
+    return tok[0] in _DIGITS_ASCII or tok[0] == "."
+
+
+def _rational(tok: str) -> sympy.Rational:
+    """A decimal or scientific literal as an exact rational, its size bounded *before* it is built."""
+    m = _SCI.fullmatch(tok)
+    if m is None:
+        if len(tok) > MAX_BITS // 3:
+            raise _ParseError("number too long")
+        return sympy.Rational(tok)
+    mantissa, exp = m.group(1), int(m.group(2))
+    if abs(exp) * 3.33 + len(mantissa) * 3.33 > MAX_BITS:  # 10^exp needs ~3.32·exp bits
+        raise _ParseError("number too large")
+    return sympy.Rational(mantissa) * sympy.Integer(10) ** exp
+
+
+class _Parser:
+    """expr := term (('+'|'-') term)*; term := factor (('*'|'/'|implicit) factor)*;
+    factor := ('+'|'-') factor | power; power := atom ('^' factor)?;
+    atom := number | π | '(' expr ')' | '{' expr '}' | \\frac{expr}{expr} | \\sqrt[n]{expr}.
+
+    Every value built passes ``_Budget.check`` (bit-length caps); a power is computed only when
+    its result fits (exponent bounded by the *result's* size, not by a fixed constant).
+    """
+
+    def __init__(self, text: str, budget: _Budget):
+        self.budget = budget
+        self.toks: list[str] = []
+        pos = 0
+        text = text.strip()
+        while pos < len(text):
+            m = _TOKEN.match(text, pos)
+            if not m or m.end() == pos:
+                raise _ParseError(f"unexpected {text[pos:pos + 10]!r}")
+            self.toks.append(m.group(1))
+            pos = m.end()
+            if len(self.toks) > MAX_TOKENS:
+                raise _ParseError("too long")
+        self.i = 0
+        self.depth = 0
+
+    def peek(self) -> str | None:
+        return self.toks[self.i] if self.i < len(self.toks) else None
+
+    def take(self, want: str | None = None) -> str:
+        self.budget.tick()
+        tok = self.peek()
+        if tok is None or (want is not None and tok != want):
+            raise _ParseError(f"expected {want!r}, got {tok!r}")
+        self.i += 1
+        return tok
+
+    def parse(self) -> sympy.Expr:
+        value = self.expr()
+        if self.peek() is not None:
+            raise _ParseError(f"trailing {self.peek()!r}")
+        return value
+
+    def expr(self) -> sympy.Expr:
+        value = self.term()
+        while self.peek() in ("+", "-"):
+            op = self.take()
+            rhs = self.term()
+            value = self.budget.check(value + rhs if op == "+" else value - rhs)
+        return value
+
+    def term(self) -> sympy.Expr:
+        value = self.factor()
+        while True:
+            tok = self.peek()
+            if tok in ("*", "\\cdot", "\\times", "/", "\\div"):
+                self.take()
+                rhs = self.factor()
+                if tok in ("/", "\\div"):
+                    if rhs == 0:
+                        raise _ParseError("division by zero")
+                    value = value / rhs
+                else:
+                    value = value * rhs
+            elif tok is not None and (_is_number_token(tok) or tok in ("(", "\\frac", "\\sqrt", "\\pi", "pi")):
+                value = value * self.factor()  # implicit product: 2\pi, 3\sqrt{2}
+            else:
+                return value
+            self.budget.check(value)
+
+    def factor(self) -> sympy.Expr:
+        if self.peek() in ("+", "-"):
+            sign = self.take()
+            value = self.factor()
+            return -value if sign == "-" else value
+        return self.power()
+
+    def power(self) -> sympy.Expr:
+        base = self.atom()
+        if self.peek() == "^":
+            self.take()
+            return self._pow(base, self.factor())
+        return base
+
+    def _pow(self, base: sympy.Expr, exp: sympy.Expr) -> sympy.Expr:
+        """base^exp for a rational exponent p/q (q ≤ MAX_ROOT) whose result fits the bit cap."""
+        if not isinstance(exp, sympy.Rational) or exp.q > MAX_ROOT:
+            raise _ParseError("exponent must be a rational p/q with a small q")
+        if base == 0 and exp < 0:
+            raise _ParseError("division by zero")
+        p = abs(int(exp.p))
+        # the result's size is about p × the bits of the base's largest rational (sympy folds
+        # (√n)^p into n^{p/2}); π and friends count as 8 bits
+        size = max((max(int(r.p).bit_length(), int(r.q).bit_length()) for r in base.atoms(sympy.Rational)),
+                   default=8)
+        if p * max(size, 1) > MAX_BITS:  # the result would not fit: refuse before computing it
+            raise _ParseError("power too large")
+        return self.budget.check(base ** exp)
+
+    def atom(self) -> sympy.Expr:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise _ParseError("nested too deeply")
+        try:
+            return self._atom()
+        finally:
+            self.depth -= 1
+
+    def _atom(self) -> sympy.Expr:
+        tok = self.take()
+        if _is_number_token(tok):
+            return self.budget.check(_rational(tok))
+        if tok in ("\\pi", "pi"):
+            return sympy.pi
+        if tok in ("(", "{"):
+            value = self.expr()
+            self.take(")" if tok == "(" else "}")
+            return value
+        if tok == "\\frac":
+            num = self._group()
+            den = self._group()
+            if den == 0:
+                raise _ParseError("division by zero")
+            return self.budget.check(num / den)
+        if tok == "\\sqrt":
+            index = sympy.Integer(2)
+            if self.peek() == "[":
+                self.take("[")
+                index = self.expr()
+                self.take("]")
+            if not (isinstance(index, sympy.Integer) and 1 <= index <= MAX_ROOT):
+                raise _ParseError(f"root index must be an integer in [1, {MAX_ROOT}]")
+            return self._pow(self._group(), sympy.Rational(1, int(index)))
+        raise _ParseError(f"unexpected {tok!r}")
+
+    def _group(self) -> sympy.Expr:
+        # \frac12 (single-digit shorthand) or \frac{..}{..}
+        if self.peek() == "{":
+            self.take("{")
+            value = self.expr()
+            self.take("}")
+            return value
+        tok = self.take()
+        if tok.isascii() and tok.isdigit():
+            if len(tok) > 1:  # \frac12: the first digit is the group, the rest stays in the stream
+                self.toks.insert(self.i, tok[1:])
+            return sympy.Integer(tok[0])
+        raise _ParseError(f"expected a group, got {tok!r}")
+
+
+def parse_value(s: str, budget: _Budget | None = None) -> sympy.Expr | None:
+    """Exact value of a simple numeric expression (LaTeX or plain, ASCII digits), or None if
+    unparseable (not one, too long, too large, or past the budget's deadline).
+
+    Runs in the caller's process: the parser's own steps and numbers are bounded, sympy's
+    simplification of what it builds is not (``grade_values`` in the worker bounds that)."""
+    if len(s) > MAX_ANSWER_CHARS:
+        return None
+    budget = budget or _Budget()
+    try:
+        value = _Parser(s, budget).parse()
+    except (_ParseError, ValueError, TypeError, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+    return value if value.is_number else None
+
+
+#: Relative tolerance for irrational values, compared at ``_DIGITS`` significant digits. Tight
+#: on purpose: with roots limited to index ≤ MAX_ROOT, distinct answers differ far above it, and a
+#: loose 1e-9 made ``\sqrt[10^{64}]{2}`` equal to 1.
+_DIGITS = 60
+_REL_TOL = 1e-40
+
+
+def grade_values(a: str, b: str, seconds: float = TIME_BUDGET_S) -> str:
+    """``"equal"``, ``"unequal"`` or ``"unparseable"`` for two normalised answers, by exact value
+    (irrational: within 1e-40 relative at 60 digits).
+
+    In-process and unbounded inside sympy: the verifier calls it only in the worker (``serve``)."""
+    budget = _Budget(seconds)
+    va, vb = parse_value(a, budget), parse_value(b, budget)
+    if va is None or vb is None:
+        return "unparseable"
+    try:
+        if va.is_rational and vb.is_rational:
+            return "equal" if va == vb else "unequal"
+        budget.tick()
+        fa, fb = va.evalf(_DIGITS), vb.evalf(_DIGITS)
+        budget.tick()
+        scale = max(abs(fb), sympy.Integer(1))
+        return "equal" if abs(fa - fb) <= _REL_TOL * scale else "unequal"
+    except (_ParseError, TypeError, ValueError, OverflowError):
+        return "unparseable"
+
+
+# ---------------------------------------------------------------------------- the worker's side
+
+#: What the worker answers when it is up, before the first request.
+READY = b"ready\n"
+
+
+def _limit_memory(extra_bytes: int) -> None:
+    """Address space capped at what the worker maps now (Python + sympy) plus `extra_bytes`: a
+    runaway allocation raises MemoryError here instead of swapping the machine."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * resource.getpagesize()
+    except OSError:  # no procfs: the CPU limit and the parent's kill still hold
+        return
+    cap = mapped + extra_bytes
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+
+
+def _limit_cpu(seconds: float) -> None:
+    """SIGXCPU (which terminates) once this request has used `seconds` of CPU, rounded up to the
+    kernel's whole seconds plus one: the bound that holds even when the parent is gone. Only the
+    soft limit moves (an unprivileged process cannot raise a hard limit back)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(math.ceil(usage.ru_utime + usage.ru_stime + seconds)) + 1
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def serve(memory_bytes: int) -> None:
+    """The worker loop: one JSON request ``[a, b, seconds]`` per line on stdin, one reply
+    ``[verdict, outcome]`` per line on stdout (outcome ``done``, ``error`` or ``memory``).
+
+    Returns at EOF (the parent closed the pipe or died) and after a MemoryError (sympy's caches
+    may hold the half-built value: the parent starts a fresh worker)."""
+    from sympy.core.cache import clear_cache
+
+    _limit_memory(memory_bytes)
+    out, inp = sys.stdout.buffer, sys.stdin.buffer
+    out.write(READY)
+    out.flush()
+    for line in inp:
+        a, b, seconds = json.loads(line)
+        _limit_cpu(seconds)
+        try:
+            verdict, outcome = grade_values(a, b, seconds), "done"
+        except MemoryError:
+            verdict, outcome = "unparseable", "memory"
+        except Exception:  # noqa: BLE001 - sympy failing on model output: no value was read
+            verdict, outcome = "unparseable", "error"
+        clear_cache()  # no answer's expressions outlive it (memory stays at the baseline)
+        out.write(json.dumps([verdict, outcome]).encode() + b"\n")
+        out.flush()
+        if outcome == "memory":
+            return
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--serve"] or len(sys.argv) != 3:
+        raise SystemExit("usage: math_value.py --serve MEMORY_BYTES")
+    serve(int(sys.argv[2]))
