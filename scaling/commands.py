@@ -49,13 +49,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_promote(args: argparse.Namespace) -> int:
     from pdm_lab.runtime.results import ResultsError
 
-    from .promote import promote
+    from .promote import check_out_paths, promote
 
     out = Path(args.out)  # --target trl|verl: the pdm run config goes beside the launch file
     run_config = out if args.target == "pdm" else out.with_name(out.name + ".pdm.yaml")
     try:
+        check_out_paths(Path(args.sweep_dir), Path(args.base), [out, run_config], force=args.force)
         promote(Path(args.sweep_dir), Path(args.base), run_config, criterion=args.criterion,
-                tie_tol=args.tie_tol, keep_base_aggregation=args.keep_base_aggregation)
+                tie_tol=args.tie_tol, keep_base_aggregation=args.keep_base_aggregation,
+                allow_tie=args.allow_tie, force=args.force)
         if args.target != "pdm":
             from pdm_lab.integrations.launch_files import write_launch_file
 
@@ -98,6 +100,11 @@ def register_promote(subparsers) -> None:
                    help="keep the base config's mask.aggregation and mask.horizon")
     q.add_argument("--target", default="pdm", choices=["pdm", "trl", "verl"],
                    help="pdm: a pdm-lab run config; trl: a PDMGRPOTrainer script; verl: a verl launch script")
+    q.add_argument("--allow-tie", action="store_true",
+                   help="promote even when the chosen cell is not separated from the runner-up at 95%% or rests "
+                        "on too few seeds or too short runs (the header says so)")
+    q.add_argument("--force", action="store_true",
+                   help="write --out even over an input (results.json, --base) or a file promote did not write")
     q.set_defaults(func=cmd_promote)
 
 

@@ -25,15 +25,15 @@ def _sweep(tmp_path, rule):
 
     base = SweepRow(cell_id="c_win", seed=0, problem="bandit", policy="tabular", rule=rule, delta=0.1, k=20,
                     convention="union", estimator=MaskConfig(rule=rule).direction_estimator, mismatch="none",
-                    mismatch_kind="none", mismatch_strength=0.0, optimizer="adam", lr=0.05, steps=5, epochs=1,
+                    mismatch_kind="none", mismatch_strength=0.0, optimizer="adam", lr=0.05, steps=40, epochs=1,
                     minibatches=1, initial_reward=0.1, final_reward=0.8, collapsed=False, nonfinite=False,
                     realised_topk_kl_mean=0.0, realised_topk_kl_max=0.0, realised_full_kl_mean=0.0,
                     realised_full_kl_max=0.0, update_topk_kl_mean=0.0, mask_fraction=0.0, outside_fraction=0.0,
                     dir_disagree=float("nan"), unsafe_keep=0.2, shrink=0.8, unsafe_keep_count=10,
                     unsafe_count=2, shrink_count=8, wall_s=1.0)
-    rows = [dataclasses.replace(base, seed=s) for s in range(2)]
-    rows += [dataclasses.replace(base, cell_id="c_lose", rule="none", estimator="topk", seed=s, final_reward=0.1)
-             for s in range(2)]
+    rows = [dataclasses.replace(base, seed=s, final_reward=0.8 + 0.01 * s) for s in range(3)]  # separated
+    rows += [dataclasses.replace(base, cell_id="c_lose", rule="none", estimator="topk", seed=s,
+                                 final_reward=0.1 + 0.01 * s) for s in range(3)]
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     write_results(sweep, rows)
@@ -50,6 +50,9 @@ def test_trl_target_writes_a_script_with_the_cells_mask(tmp_path, capsys):
     fields = ast.literal_eval(mask_call.value.keywords[0].value)
     assert MaskConfig(**fields) == MaskConfig(rule="pdm_topk", delta=0.1, k=20, convention="union")
     assert "cell c_win" in text and "PDMGRPOTrainer" in text and "learning_rate=1e-06" in text
+    assert "# final reward of the chosen cell c_win: 0.810 (95% CI [0.785, 0.835], 3 runs); seeds 3, steps [40]" in text
+    assert "# runner-up c_lose: 0.110" in text and "# verdict: separated at 95%" in text
+    assert "# regime: problem bandit, policy tabular, mismatch none, adam lr 0.05, 40 steps" in text
     run_cfg = load_config(Path(str(out) + ".pdm.yaml"))  # the pdm config beside it, same provenance
     assert run_cfg.provenance.cell_id == "c_win" and run_cfg.mask.rule == "pdm_topk"
 

@@ -1,6 +1,7 @@
-"""Promotion from a toy sweep through the core results schema: the criterion, the written config,
-and every bad sweep refused in one line (paths outside the sweep, non-finite values, truncated or
-foreign files)."""
+"""Promotion from a toy sweep through the core results schema: the criterion, the evidence it
+needs (separated from the runner-up at 95%, long enough runs, enough seeds), the written config,
+the output-path policy, and every bad sweep refused in one line (paths outside the sweep,
+non-finite values, truncated or foreign files)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,11 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "scaling" / "configs" / "qwen3-4b-base-dapo.yaml"
 
 
-def row(cell_id, rule, reward, seed, *, collapsed=False, unsafe=0.3, delta=0.15, estimator="uniform"):
+def row(cell_id, rule, reward, seed, *, collapsed=False, unsafe=0.3, delta=0.15, estimator="uniform", steps=40):
     return SweepRow(
         cell_id=cell_id, seed=seed, problem="bandit", policy="tabular", rule=rule, delta=delta, k=20,
         convention="union", estimator=estimator, mismatch="fp8_e4m3_weights:0.5", mismatch_kind="fp8",
-        mismatch_strength=0.5, optimizer="adam", lr=0.05, steps=10, epochs=1, minibatches=1,
+        mismatch_strength=0.5, optimizer="adam", lr=0.05, steps=steps, epochs=1, minibatches=1,
         initial_reward=0.1, final_reward=reward, collapsed=collapsed, nonfinite=False,
         realised_topk_kl_mean=0.01, realised_topk_kl_max=0.2, realised_full_kl_mean=0.02,
         realised_full_kl_max=0.3, update_topk_kl_mean=0.01, mask_fraction=0.05, outside_fraction=0.1,
@@ -36,6 +37,7 @@ def cell_rows(cell_id, rule, rewards, *, collapsed=(), **kw):
     return [row(cell_id, rule, r, seed, collapsed=seed in collapsed, **kw) for seed, r in enumerate(rewards)]
 
 
+#: Two seeds per cell and near-equal leaders: ``choose`` ranks it, ``promote`` refuses it.
 SWEEP = (cell_rows("c_ratio", "ppo_clip", [0.70, 0.72])
          + cell_rows("c_collapse", "none", [0.95, 0.10], collapsed=(1,))  # best mean? no: collapsed
          + cell_rows("c_pdm_a", "pdm_topk", [0.80, 0.82], unsafe=0.34, estimator="topk")
@@ -43,7 +45,19 @@ SWEEP = (cell_rows("c_ratio", "ppo_clip", [0.70, 0.72])
          + cell_rows("c_dppo", "dppo_topk_kl", [0.75, 0.77]))
 
 
-def sweep_dir(tmp_path, rows=SWEEP, name="sweep") -> Path:
+#: Three seeds, 40 steps, the winner clear of the runner-up: promotes.
+SEPARATED = (cell_rows("c_ratio", "ppo_clip", [0.70, 0.72, 0.71])
+             + cell_rows("c_collapse", "none", [0.95, 0.10, 0.9], collapsed=(1,))
+             + cell_rows("c_pdm_b", "pdm_uniform", [0.82, 0.80, 0.81], unsafe=0.31, delta=0.05)
+             + cell_rows("c_dppo", "dppo_topk_kl", [0.75, 0.77, 0.76]))
+
+#: The issue's example: ppo_clip chosen by a 0.136 mean over two 10-step seeds, tied with the runner-up.
+ISSUE_EXAMPLE = (cell_rows("c_ppo", "ppo_clip", [0.130, 0.142], steps=10)
+                 + cell_rows("c_dppo", "dppo_topk_kl", [0.129, 0.139], steps=10, estimator="topk")
+                 + cell_rows("c_none", "none", [0.20, 0.05], collapsed=(1,), steps=10))
+
+
+def sweep_dir(tmp_path, rows=SEPARATED, name="sweep") -> Path:
     out = tmp_path / name
     out.mkdir()
     write_results(out, rows)
@@ -74,15 +88,84 @@ def test_promote_from_json_writes_a_runnable_config(tmp_path):
     m = cfg.provenance.metrics
     assert m["final_reward_mean"] == pytest.approx(0.81) and m["unsafe_keep_mean"] == pytest.approx(0.31)
     assert m["dir_disagree_mean"] is None  # n/a, never 0.0
-    assert m["mismatch_kind"] == "fp8" and m["lr"] == 0.05 and m["seeds"] == 2 and m["cells_collapsed"] == 1
+    assert m["mismatch_kind"] == "fp8" and m["lr"] == 0.05 and m["seeds"] == 3 and m["cells_collapsed"] == 1
+    ev = m["evidence"]
+    assert ev["separated"] and ev["runner_up_cell"] == "c_dppo" and ev["seeds"] == 3 and ev["steps"] == [40]
+    assert ev["difference"]["ci95"][0] > 0 and ev["chosen"]["mean"] == pytest.approx(0.81)
     assert cfg.provenance.code_version and cfg.provenance.created.endswith("Z")
     assert "criterion" in prov and "never-collapsed" in prov["criterion"]
     text = out.read_text()
     assert text.startswith("# promoted from toy sweep") and "pdm-lab train --config" in text
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert any("runner-up c_dppo" in h and "95% Welch CI [+" in h for h in header)
+    assert any(h.startswith("# regime: problem bandit") and "40 steps" in h for h in header)
+    assert "# verdict: separated at 95%" in header
+
+
+def test_the_issue_example_is_refused_and_allow_tie_says_so(tmp_path, capsys):
+    """ppo_clip by a 0.136 mean over two 10-step seeds, tied with the runner-up: exit 2, one line."""
+    from pdm_lab.runtime.cli import main
+
+    sweep = sweep_dir(tmp_path, ISSUE_EXAMPLE)
+    out = tmp_path / "launch.sh"
+    args = ["promote", str(sweep), "--base", str(BASE), "--out", str(out), "--target", "verl"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refusing to promote cell c_ppo" in err
+    assert "not separated from the runner-up c_dppo" in err and "includes 0" in err
+    assert "10 steps, shorter than the 30" in err and "2 seeds, fewer than the 3" in err
+    assert not out.exists() and not Path(str(out) + ".pdm.yaml").exists()
+    assert main(args + ["--allow-tie"]) == 0
+    text = out.read_text()
+    assert "# verdict: NOT evidence, promoted with --allow-tie: not separated" in text
+    assert "final reward of the chosen cell c_ppo: 0.136" in text and "runner-up c_dppo: 0.134" in text
+    cfg = load_config(Path(str(out) + ".pdm.yaml"))
+    assert cfg.provenance.metrics["evidence"]["allow_tie"] and not cfg.provenance.metrics["evidence"]["separated"]
+
+
+def test_each_shortfall_alone_refuses(tmp_path):
+    """Separated but too short; separated but too few seeds; long and many but tied."""
+    cases = {"too_short": cell_rows("a", "pdm_topk", [0.9, 0.91, 0.92], steps=20, estimator="topk")
+             + cell_rows("b", "ppo_clip", [0.5, 0.51, 0.52], steps=20),
+             "too_few": cell_rows("a", "pdm_topk", [0.9, 0.91], estimator="topk") + cell_rows("b", "ppo_clip", [0.5, 0.51]),
+             "tied": cell_rows("a", "pdm_topk", [0.9, 0.5, 0.7, 0.8], estimator="topk")
+             + cell_rows("b", "ppo_clip", [0.6, 0.8, 0.7, 0.75])}
+    why = {"too_short": "20 steps, shorter than the 30", "too_few": "2 seeds, fewer than the 3",
+           "tied": "not separated from the runner-up b"}
+    for name, rows in cases.items():
+        with pytest.raises(SweepError, match=why[name]) as err:
+            promote(sweep_dir(tmp_path, rows, name), BASE, tmp_path / f"{name}.yaml", log=lambda *_: None)
+        assert [w for w in why if why[w] in str(err.value)] == [name]  # that reason alone
+        assert not (tmp_path / f"{name}.yaml").exists()
+
+
+def test_output_policy_refuses_inputs_and_foreign_files(tmp_path, capsys):
+    from pdm_lab.runtime.cli import main
+
+    sweep = sweep_dir(tmp_path)
+    base = tmp_path / "base.yaml"
+    base.write_text(BASE.read_text())
+    results = (sweep / "results.json").read_bytes()
+    notes = tmp_path / "notes.md"
+    notes.write_text("my notes\n")
+    cases = [(sweep / "results.json", "the sweep's results.json"), (sweep / "results.csv", "the sweep's results.csv"),
+             (base, "the --base config"), (sweep / ".." / sweep.name / "results.json", "results.json"),
+             (notes, "was not written by this command")]
+    for out, why in cases:
+        assert main(["promote", str(sweep), "--base", str(base), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1
+    assert (sweep / "results.json").read_bytes() == results and base.read_text() == BASE.read_text()
+    assert notes.read_text() == "my notes\n"
+    mine = tmp_path / "promoted.yaml"  # promote's own earlier output is overwritten
+    assert main(["promote", str(sweep), "--base", str(base), "--out", str(mine)]) == 0
+    assert main(["promote", str(sweep), "--base", str(base), "--out", str(mine)]) == 0
+    assert main(["promote", str(sweep), "--base", str(base), "--out", str(notes), "--force"]) == 0
+    assert notes.read_text().startswith("# promoted from toy sweep")
 
 
 def test_csv_reads_back_the_same_rows(tmp_path):
-    sweep = sweep_dir(tmp_path)
+    sweep = sweep_dir(tmp_path, SWEEP)
     from_json = read_results(sweep)
     (sweep / "results.json").unlink()
     from_csv = read_results(sweep)
@@ -194,6 +277,8 @@ def test_promote_cli(tmp_path, capsys):
     assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out)]) == 0
     assert yaml.safe_load(out.read_text())["mask"]["rule"] == "pdm_uniform"
     capsys.readouterr()
+    assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out), "--tie-tol", "-1"]) == 2
+    assert "--tie-tol" in capsys.readouterr().err
     assert main(["promote", str(tmp_path / "missing"), "--base", str(BASE), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "no results.json" in err and err.count("\n") == 1
@@ -208,7 +293,9 @@ def test_promote_from_a_real_toy_sweep(tmp_path):
                  "base.problem.kind=bandit", "base.policy=tabular", "base.steps=3", "--seeds", "2",
                  "--workers", "1", "--no-audit", "--quiet", "--out", str(out_dir)]) == 0
     out = tmp_path / "promoted.yaml"
-    prov = promote(out_dir, BASE, out, log=lambda *_: None)
+    with pytest.raises(SweepError, match="3 steps, shorter than"):  # a 3-step toy is no evidence
+        promote(out_dir, BASE, out, log=lambda *_: None)
+    prov = promote(out_dir, BASE, out, allow_tie=True, log=lambda *_: None)
     cfg = load_config(out)
     cells = group_cells(read_results(out_dir))
     assert len(cells) == 2

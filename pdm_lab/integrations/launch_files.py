@@ -13,8 +13,10 @@ trainer sections, the winning ``mask:`` and its ``provenance:``). Output:
   processed log-probs (and vLLM's ``max_logprobs`` when K > 20). Rules that need inputs verl
   cannot give (``needs``: full distributions, the coupled direction) are refused.
 
-Both carry the provenance (sweep, cell, criterion, metrics, code version) as a header comment
-and as data, so a run can be traced back to the toy result that chose it.
+Both carry the provenance (sweep, cell, criterion, metrics, code version) and the evidence the
+choice rests on (criterion value with its CI, the runner-up's, seeds, steps, regime, verdict) as
+a header comment, and the provenance as data, so a run can be traced back to the toy result that
+chose it and to how strongly it was chosen.
 """
 from __future__ import annotations
 
@@ -34,10 +36,42 @@ VERL_TOPK_ENV = "PDM_LAB_VERL_TOPK"
 VLLM_MAX_LOGPROBS = 20
 
 
+def evidence_lines(prov: dict) -> list[str]:
+    """What the promoted choice rests on, from ``provenance.metrics.evidence`` (written by
+    ``promote``): criterion value with its CI, the runner-up's, seeds, steps, regime, verdict."""
+    ev = (prov.get("metrics") or {}).get("evidence")
+    if not isinstance(ev, dict):
+        return ["evidence: not recorded (promoted before the evidence rule existed): treat as untested"]
+
+    def est(e: Any) -> str:
+        if not isinstance(e, dict) or e.get("mean") is None:
+            return "n/a"
+        lo, hi = e.get("ci95") or (None, None)
+        ci = "no CI" if lo is None else f"95% CI [{lo:.3f}, {hi:.3f}]"
+        return f"{e['mean']:.3f} ({ci}, {e.get('runs')} runs)"
+
+    diff = ev.get("difference") or {}
+    lo, hi = diff.get("ci95") or (None, None)
+    lines = [f"evidence: {ev.get('criterion', '?')}",
+             f"final reward of the chosen cell {ev.get('chosen_cell')}: {est(ev.get('chosen'))}; "
+             f"seeds {ev.get('seeds')}, steps {ev.get('steps')}",
+             f"runner-up {ev.get('runner_up_cell')}: {est(ev.get('runner_up'))}; difference "
+             + ("n/a" if diff.get("mean") is None else f"{diff['mean']:+.3f}")
+             + ("" if lo is None else f", 95% Welch CI [{lo:+.3f}, {hi:+.3f}]"),
+             f"regime: {ev.get('regime')}"]
+    problems = ev.get("problems") or []
+    if not problems:
+        lines.append("verdict: separated at 95%")
+    else:
+        lines.append(("verdict: NOT evidence, promoted with --allow-tie: " if ev.get("allow_tie") else "verdict: ")
+                     + "; ".join(problems))
+    return lines
+
+
 def _header(cfg: Any, comment: str) -> str:
     prov = dataclasses.asdict(cfg.provenance) if cfg.provenance is not None else {}
     lines = [f"promoted by `pdm-lab promote` from toy sweep {prov.get('sweep_dir', '?')}, cell {prov.get('cell_id', '?')}",
-             f"criterion: {prov.get('criterion', '?')}",
+             f"criterion: {prov.get('criterion', '?')}", *evidence_lines(prov),
              f"code version: {prov.get('code_version', '?')}; created {prov.get('created', '?')}",
              "provenance: " + json.dumps(prov, sort_keys=True, default=str)]
     return "".join(f"{comment} {line}\n" for line in lines)
