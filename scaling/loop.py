@@ -24,7 +24,10 @@ import torch
 from pdm_lab.advantages import group_advantages
 from pdm_lab.runtime.lifetime import guard_rank
 
+from pdm_lab.audit_live import flat_metrics
+
 from .assets import check_model_config, load_data, load_tokenizer, model_dir, stop_token_ids
+from .audit_step import audit_live_batch, write_record
 from .checkpoint import intact_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig, save_config
 from .data import PromptSampler
@@ -215,9 +218,21 @@ def run_training(cfg: TrainConfig) -> Path:
             batch, rewards, ok, adv = batch.select(part), rewards[part], ok[part], adv[part]
         times["reward"] = time.perf_counter() - t0
 
+        opt_step = (step - 1) * cfg.trainer.mini_batches
+        # 5a. the direction audit on this batch (SPEC §6c): one step per rule from the same
+        #     parameters and AdamW state, ΔD measured, everything restored bit-exactly
+        audit_metrics = {}
+        if cfg.audit.every and step % cfg.audit.every == 0:
+            t0 = time.perf_counter()
+            record = audit_live_batch(policy, optimizer, batch, adv, cfg=cfg, vocab_size=model_info["vocab_size"],
+                                      pad_id=pad_id, lr=learning_rate(cfg, opt_step), device=lay.device)
+            times["audit"] = time.perf_counter() - t0
+            if lay.is_main:
+                write_record(run_dir, step, cfg.seed, {**record, "time_s": times["audit"]})
+            audit_metrics = flat_metrics(record, record["rules"])
+
         # 5. update: the registry's mask and loss on π over μ's support
         t0 = time.perf_counter()
-        opt_step = (step - 1) * cfg.trainer.mini_batches
         upd = update_policy(policy, optimizer, batch, adv, cfg=cfg, vocab_size=model_info["vocab_size"],
                             pad_id=pad_id, lr=learning_rate(cfg, opt_step), device=lay.device,
                             mismatch_sample=lambda stats, a, r: mismatch_sample.write(step, stats, a, r))
@@ -232,6 +247,7 @@ def run_training(cfg: TrainConfig) -> Path:
         times["sync"] = time.perf_counter() - t0
 
         metrics = dict(upd.metrics)
+        metrics.update(audit_metrics)
         if cfg.log.sync_check_every and step % cfg.log.sync_check_every == 0:
             metrics["sync/logp_max_abs_err"] = sync_error(llm, policy, fixed_seq, cfg, step)
 
@@ -265,6 +281,8 @@ def run_training(cfg: TrainConfig) -> Path:
                                  [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)])
         metrics.update({f"time/{k}_s": v for k, v in zip(keys, slowest)})
         metrics["time/mask_loss_share"] = times["loss"] / max(times["step"], 1e-9)
+        if "audit" in times:
+            metrics["time/audit_share"] = times["audit"] / max(times["step"], 1e-9)
         metrics["mem/peak_rss_gib"] = slowest[-1]
         log.log(step, metrics)
         if step % cfg.log.print_every == 0 or step == cfg.total_steps:

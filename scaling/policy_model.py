@@ -22,7 +22,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PREFIX = "lm."  # parameter-name prefix the wrapper adds to the HF names
 
 
-def _support_chunk(h: Tensor, weight: Tensor, ids: Tensor, temperature: float):
+def _support_chunk(h: Tensor, weight: Tensor, ids: Tensor, temperature: float,
+                   head_dtype: torch.dtype | None = None):
+    if head_dtype is not None:  # the audit's measurement: lm_head and the softmax in float64
+        h, weight = h.to(head_dtype), weight.to(head_dtype)
     logits = h @ weight.t()  # [c, V] in the compute dtype
     pi = policy_on_support(logits, ids, temperature=temperature)
     return pi.logp, pi.tail_logp, pi.tail_log_sumsq
@@ -40,8 +43,8 @@ class PolicyModel(nn.Module):
         return self.lm.config.vocab_size
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
-                support_ids: Tensor, temperature: float, chunk_tokens: int | None = None
-                ) -> tuple[Tensor, Tensor, Tensor]:
+                support_ids: Tensor, temperature: float, chunk_tokens: int | None = None,
+                head_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """π on the support at selected positions.
 
         Args:
@@ -52,6 +55,8 @@ class PolicyModel(nn.Module):
             support_ids: [N, m] support ids per response token (−1 pad).
             temperature: rollout temperature T.
             chunk_tokens: rows per lm_head chunk, recomputed in backward (None: one pass).
+            head_dtype: cast the hidden states and lm_head to this dtype first (None: the
+                compute dtype); the direction audit measures D with float64.
 
         Returns:
             (logp [N, m] differentiable, tail_logp [N], tail_log_sumsq [N]): the fields of
@@ -61,9 +66,9 @@ class PolicyModel(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])[positions]  # [N, H]
         weight = self.lm.lm_head.weight
         if chunk_tokens is None or h.shape[0] <= chunk_tokens:
-            return _support_chunk(h, weight, support_ids, temperature)
+            return _support_chunk(h, weight, support_ids, temperature, head_dtype)
         parts = [checkpoint(_support_chunk, h[i:i + chunk_tokens], weight,
-                            support_ids[i:i + chunk_tokens], temperature, use_reentrant=False)
+                            support_ids[i:i + chunk_tokens], temperature, head_dtype, use_reentrant=False)
                  for i in range(0, h.shape[0], chunk_tokens)]
         return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
 

@@ -6,10 +6,10 @@ padding rows replaced by trivial rows via ``row_mask``), π on it from the FSDP 
 ``pdm_lab.loss.pdm_policy_loss`` — the same function the toys call. Nothing here re-derives a
 mask, a divergence or Ḋ.
 
-Aggregation across micro-batches and ranks: the core aggregates over the tokens it is given; to
-get the aggregate over the whole mini-batch on all ranks (DAPO's token-mean is over every token
-of the batch), each micro-batch's loss is scaled by (its share of the global count) × world size,
-since FSDP averages gradients over ranks.
+Aggregation across micro-batches and ranks: the mini-batch's counts over every micro-batch and
+rank are gathered once (``pdm_lab.aggregation.DPInfo.all_reduce``) and handed to the core's loss,
+whose aggregate is then each micro-batch's share of the whole mini-batch's (DAPO's token-mean is
+over every token of the batch; FSDP averages the ranks' gradients).
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ import dataclasses
 import time
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from pdm_lab.loss import pdm_policy_loss
+from pdm_lab.aggregation import DPInfo
+from pdm_lab.loss import LossOutput, pdm_policy_loss
 from pdm_lab.metrics import MetricSums, all_reduce_metrics, as_mismatch, finalize_floats, merge_metrics, metric
+from pdm_lab.padding import policy_with_padding_rows
 from pdm_lab.policy_side import PolicyOnSupport
 from pdm_lab.support import support_from_topk
 
@@ -105,17 +106,21 @@ def micro_batch_policy(policy, mb: MicroBatch, support, temperature: float,
     valid = mb.response_mask.reshape(-1).nonzero(as_tuple=True)[0]
     logp_v, tail_v, sumsq_v = policy(mb.input_ids, mb.attention_mask, mb.positions,
                                      support.ids[valid], temperature, chunk_tokens)
-    logp = support.mu_logp.to(logp_v.dtype).index_put((valid,), logp_v)
-    tail = support.mu_tail_logp.to(tail_v.dtype).index_put((valid,), tail_v)
-    sumsq = torch.full_like(tail, float("-inf")).index_put((valid,), sumsq_v)
-    return PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq)
+    return policy_with_padding_rows(support, valid, PolicyOnSupport(logp=logp_v, tail_logp=tail_v,
+                                                                    tail_log_sumsq=sumsq_v))
 
 
-def _global_counts(n_tokens: int, n_seqs: int) -> tuple[float, float]:
-    t = torch.tensor([float(n_tokens), float(n_seqs)], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return float(t[0]), float(t[1])
+def micro_batch_loss(policy, mb: MicroBatch, mask_cfg, *, vocab_size: int, temperature: float,
+                     chunk_tokens: int | None, dp: DPInfo | None = None, coupled: Tensor | None = None,
+                     ) -> tuple[LossOutput, float]:
+    """The loop's loss path for one micro-batch: μ's support, π on it, the core's loss (this
+    micro-batch's share of the mini-batch's aggregate, `dp`). Also returns the seconds spent in
+    the support and π (the rest is the loss's)."""
+    t0 = time.perf_counter()
+    support = micro_batch_support(mb, mask_cfg, vocab_size)
+    pi = micro_batch_policy(policy, mb, support, temperature, chunk_tokens)
+    t1 = time.perf_counter()
+    return pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=coupled, dp=dp), t1 - t0
 
 
 def split(n: int, parts: int) -> list[list[int]]:
@@ -135,7 +140,7 @@ class UpdateResult:
 
 
 def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cfg, vocab_size: int,
-                  pad_id: int, lr: float, device=None, mismatch_sample=None) -> UpdateResult:
+                  pad_id: int, lr: float, device=None, mismatch_sample=None, on_loss=None) -> UpdateResult:
     """One pass over the batch: ``trainer.mini_batches`` optimiser steps (SPEC §7: one PPO epoch).
 
     Args:
@@ -150,9 +155,10 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         device: where the trainer runs (default CPU).
         mismatch_sample: callable ``(stats, adv, resp)`` given each micro-batch of the first
             mini-batch, its per-token stats before any step (``mismatch_sample.MismatchSample``); None: no sample.
+        on_loss: callable ``(mb_index, micro_index, out)`` given each micro-batch's ``LossOutput``
+            (its keep mask and stats; the direction audit reads them); None: nothing.
     """
     mask_cfg, tcfg = cfg.mask, cfg.trainer
-    world = dist.get_world_size() if dist.is_initialized() else 1
     per_token = mask_cfg.aggregation == "token-mean"
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -161,7 +167,7 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
     for mb_index, mini in enumerate(split(len(batch), tcfg.mini_batches)):
         micro_rows = [mini[i:i + tcfg.micro_batch_size] for i in range(0, len(mini), tcfg.micro_batch_size)]
         micros = [make_micro_batch(batch, rows, seq_adv, pad_id).to(device or "cpu") for rows in micro_rows]
-        n_tok, n_seq = _global_counts(sum(m.n_tokens for m in micros), sum(m.n_seqs for m in micros))
+        dp = DPInfo.all_reduce(sum(m.n_tokens for m in micros), sum(m.n_seqs for m in micros))
         parts: list[MetricSums] = []
         loss_sum = loss_weight = 0.0  # Σ loss·w and Σ w over micro-batches (w: tokens or sequences)
         coupled, coupled_info = [None] * len(micros), {}
@@ -172,22 +178,23 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
                 lambda m, s: micro_batch_policy(policy, m, s, cfg.rollout.temperature, tcfg.logits_chunk_tokens),
                 mask_cfg, compute_dtype=DTYPES[tcfg.param_dtype])
             times["coupled"] = times.get("coupled", 0.0) + time.perf_counter() - t0
-        for mb, c in zip(micros, coupled):
+        for micro_index, (mb, c) in enumerate(zip(micros, coupled)):
             t0 = time.perf_counter()
-            support = micro_batch_support(mb, mask_cfg, vocab_size)
-            pi = micro_batch_policy(policy, mb, support, cfg.rollout.temperature, tcfg.logits_chunk_tokens)
-            t1 = time.perf_counter()
-            out = pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=c)
+            out, t_policy = micro_batch_loss(policy, mb, mask_cfg, vocab_size=vocab_size,
+                                             temperature=cfg.rollout.temperature,
+                                             chunk_tokens=tcfg.logits_chunk_tokens, dp=dp, coupled=c)
             t2 = time.perf_counter()
-            share = (mb.n_tokens / max(n_tok, 1.0)) if per_token else (mb.n_seqs / max(n_seq, 1.0))
-            (out.loss * (share * world)).backward()
+            out.loss.backward()
             t3 = time.perf_counter()
-            times["loss"] += t2 - t1
-            times["forward_backward"] += (t1 - t0) + (t3 - t2)
-            weight = mb.n_tokens if per_token else mb.n_seqs
-            loss_sum += float(out.loss.detach()) * weight
-            loss_weight += weight
+            times["loss"] += t2 - t0 - t_policy
+            times["forward_backward"] += t_policy + (t3 - t2)
+            # the logged loss is the mini-batch's aggregate: this micro-batch's loss times the
+            # mini-batch's count over world is its Σ, and its local count its weight
+            loss_sum += float(out.loss.detach()) * dp.count(mask_cfg.aggregation) / dp.world
+            loss_weight += mb.n_tokens if per_token else mb.n_seqs
             parts.append(out.metric_sums)
+            if on_loss is not None:
+                on_loss(mb_index, micro_index, out)
             if mb_index == 0 and mismatch_sample is not None:  # before any step: the realised mismatch
                 mismatch_sample(out.stats, mb.advantages, mb.response_mask)
         t0 = time.perf_counter()

@@ -1,0 +1,192 @@
+"""The direction audit on the loop's live batch (SPEC §6, §6c), under FSDP2 or on one rank.
+
+Per audited step, before the real update, on this rank's whole rollout batch:
+
+1. snapshot the parameters (local shards), AdamW's state, its param-group settings and the RNG
+   to host memory (``pdm_lab.audit_live.HostSnapshot``);
+2. D per response token at θ₀ with lm_head and the softmax in float64 (``measured_divergence``;
+   the decoder runs in the trainer's dtype, deterministically, so an unmoved token has ΔD = 0);
+3. for each rule R: one optimiser step from θ₀ and the snapshot's AdamW state with R's mask
+   (``train_step.update_policy`` with one mini-batch: the run's own micro-batching, loss
+   scaling, gradient clip and AdamW, at the run's learning rate), its keep mask read from the
+   core's ``LossOutput``; D recomputed in float64; ΔD = D_after − D_before on the outside
+   tokens; then the snapshot restored, bit for bit;
+4. the outside set O = {D > δ, Â ≠ 0} from the same stats the rules read (float32 π at θ₀), the
+   per-pair disagreement and each rule's rates (``pdm_lab.audit_live.step_record``, the toy
+   audit's ``delta_rates`` entries), merged over ranks.
+
+Only the top-K KL is measured: its change needs μ on the support alone, while the full KL needs
+μ's whole distribution, which the engine does not return (``full_kl`` is null in the record).
+
+Cost: the host snapshot (``host_bytes``: parameters + AdamW's two moments, per rank's shard) and,
+per rule, one update over the batch plus one float64 forward; logged as ``time/audit_s``.
+Collective: every rank calls ``audit_live_batch`` at the same step.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pdm_lab.audit import regime_table
+from pdm_lab.audit_live import HostSnapshot, merge_records, step_record
+from pdm_lab.masks import outside_region
+from pdm_lab.policy_side import PolicyOnSupport
+from pdm_lab.stats import token_stats
+from pdm_lab.support import support_from_topk
+
+from .train_step import MicroBatch, make_micro_batch, update_policy
+
+BYTES_PER_PARAM = 12
+"""Host bytes per parameter held by the snapshot: fp32 master weight + AdamW's exp_avg and exp_avg_sq."""
+
+
+def host_bytes(n_params: int, world: int) -> int:
+    """The audit's extra host memory per rank: the snapshot of its shard (``BYTES_PER_PARAM``)."""
+    return BYTES_PER_PARAM * -(-n_params // max(world, 1))
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rule_mask_config(mask_cfg, rule: str, delta: float):
+    """The run's mask section with the audited rule and δ (the rule's own estimator)."""
+    return dataclasses.replace(mask_cfg, rule=rule, delta=delta, delta_neg=None, estimator=None)
+
+
+@torch.no_grad()
+def measured_divergence(policy, mb: MicroBatch, mask_cfg, vocab_size: int, temperature: float,
+                        chunk_tokens: int | None) -> Tensor:
+    """[n] top-K KL D(μ‖π) of the micro-batch's response tokens in float64 (μ cast to float64
+    before its support is built; lm_head and the softmax in float64). Collective under FSDP."""
+    valid = mb.response_mask.reshape(-1).nonzero(as_tuple=True)[0]
+    support = support_from_topk(mb.topk_ids[valid], mb.topk_logp[valid].double(), mb.sampled[valid],
+                                mb.sampled_logp[valid].double(), vocab_size=vocab_size, k=mask_cfg.k,
+                                convention=mask_cfg.convention)
+    logp, tail, sumsq = policy(mb.input_ids, mb.attention_mask, mb.positions, support.ids, temperature,
+                               chunk_tokens, head_dtype=torch.float64)
+    pi = PolicyOnSupport(logp=logp.double(), tail_logp=tail.double(), tail_log_sumsq=sumsq.double())
+    reshard(policy)
+    return token_stats(support, pi, binary=False).topk_kl
+
+
+def reshard(policy) -> None:
+    """Free FSDP2's gathered parameters after a no-grad forward. The root module keeps its gathered
+    copy after a forward (for the backward that usually follows), and ``parameters()`` then yields
+    that copy; the snapshot is taken and restored on the shards, so the next forward must gather
+    them afresh."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _micro_batches(batch, seq_adv: Tensor, pad_id: int, size: int, device) -> list[MicroBatch]:
+    """The micro-batches ``update_policy`` builds for one mini-batch of the whole batch (same order)."""
+    rows = list(range(len(batch)))
+    return [make_micro_batch(batch, rows[i:i + size], seq_adv, pad_id).to(device or "cpu")
+            for i in range(0, len(rows), size)]
+
+
+def _distinct_contexts(batch) -> int:
+    """Distinct (prompt, response prefix) contexts among the batch's response tokens."""
+    seen = set()
+    for prompt, ids, resp in zip(batch.prompt_ids, batch.response_ids.tolist(), batch.response_mask.tolist()):
+        h = hash(tuple(prompt))
+        for tok, real in zip(ids, resp):
+            if not real:
+                break
+            seen.add(h)
+            h = hash((h, tok))
+    return len(seen)
+
+
+def _gather(obj) -> list:
+    if _world() == 1:
+        return [obj]
+    out = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def audit_live_batch(policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_size: int, pad_id: int,
+                     lr: float, device=None) -> dict:
+    """SPEC §6 on this step's batch (module docstring); returns the merged record (every rank).
+
+    Args:
+        policy: the (FSDP) ``PolicyModel``; its parameters are stepped and restored.
+        optimizer: its AdamW (state snapshotted and restored).
+        batch: this rank's ``RolloutBatch``; seq_adv: [B] per-sequence advantages.
+        cfg: the run's TrainConfig (``audit``, ``mask``, ``trainer``, ``rollout`` sections).
+        vocab_size, pad_id: as for ``update_policy``.
+        lr: the learning rate of this step's first optimiser step (the audited step takes it).
+    """
+    audit = cfg.audit
+    delta = cfg.mask.delta if audit.delta is None else audit.delta
+    rules = tuple(dict.fromkeys(audit.rules))
+    temperature, chunk = cfg.rollout.temperature, cfg.trainer.logits_chunk_tokens
+    micros = _micro_batches(batch, seq_adv, pad_id, cfg.trainer.micro_batch_size, device)
+    params = list(policy.parameters())
+    snapshot = HostSnapshot.take(params, optimizer)
+    before = torch.cat([measured_divergence(policy, mb, cfg.mask, vocab_size, temperature, chunk) for mb in micros])
+
+    keep: dict[str, Tensor] = {}
+    delta_d: dict[str, dict] = {}
+    first: list = []
+    for rule in rules:
+        mask_cfg = rule_mask_config(cfg.mask, rule, delta)
+        run_cfg = dataclasses.replace(cfg, mask=mask_cfg, trainer=dataclasses.replace(cfg.trainer, mini_batches=1))
+        outs: list = []
+        update_policy(policy, optimizer, batch, seq_adv, cfg=run_cfg, vocab_size=vocab_size, pad_id=pad_id,
+                      lr=lr, device=device, on_loss=lambda _m, _i, out: outs.append(out))
+        after = torch.cat([measured_divergence(policy, mb, cfg.mask, vocab_size, temperature, chunk)
+                           for mb in micros])
+        snapshot.restore(params, optimizer)
+        keep[rule] = torch.cat([o.keep.reshape(-1)[mb.response_mask.reshape(-1)] for o, mb in zip(outs, micros)]) > 0
+        delta_d[rule] = {"topk_kl": after - before, "full_kl": None}
+        if not first:
+            first = outs
+
+    resp = [mb.response_mask.reshape(-1) for mb in micros]
+    d32 = torch.cat([o.stats.topk_kl[r] for o, r in zip(first, resp)])
+    mu_tail = torch.cat([o.stats.mu_tail[r] for o, r in zip(first, resp)])
+    adv = torch.cat([mb.advantages.reshape(-1)[r] for mb, r in zip(micros, resp)])
+    considered = adv != 0
+    outside = outside_region(d32, adv, rule_mask_config(cfg.mask, rules[0], delta)) & considered
+    local = step_record(rules, keep, delta_d, outside, audit.tolerance)
+    local.update(tokens=int(adv.numel()), zero_advantage=int((~considered).sum()),
+                 contexts=_distinct_contexts(batch))
+    gathered = _gather((local, d32.double().cpu(), outside.cpu(), considered.cpu(), mu_tail.double().cpu()))
+    record = merge_records([g[0] for g in gathered])
+    tokens = sum(g[0]["tokens"] for g in gathered)
+    record.update(tokens=tokens, zero_advantage=sum(g[0]["zero_advantage"] for g in gathered))
+    contexts = sum(g[0]["contexts"] for g in gathered)
+    d_all, out_all, cons_all, tail_all = (torch.cat([g[i] for g in gathered]) for i in (1, 2, 3, 4))
+    if d_all.numel():
+        record["regime"] = regime_table(d_all, out_all, cons_all, topk_mass=1.0 - tail_all,
+                                        tokens_per_state=tokens / max(contexts, 1))
+    record.update(rules=list(rules), delta=delta, k=cfg.mask.k, tolerance=audit.tolerance,
+                  ranks=_world(), host_snapshot_bytes=snapshot.nbytes,
+                  step_doc={"optimizer": type(optimizer).__name__ + " (the run's, with its state at this step)",
+                            "lr": lr, "aggregation": cfg.mask.aggregation, "grad_clip": cfg.trainer.grad_clip,
+                            "batch": "each rank's whole rollout batch as one optimiser step",
+                            "precision": "decoder in trainer.param_dtype, lm_head + D in float64",
+                            "measured": {"topk_kl": True, "full_kl": "not measured: the engine returns μ's top-K only"}})
+    return record
+
+
+def write_record(run_dir, step: int, seed: int, record: dict) -> None:
+    """Append one audited step to ``run_dir/audit.jsonl`` (NaN written as null). A step redone
+    after a resume is appended again; readers keep the last line of each step."""
+    import json
+    from pathlib import Path
+
+    from pdm_lab.audit_live import json_safe
+
+    path = Path(run_dir) / "audit.jsonl"
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(json_safe({"step": step, "seed": seed, **record}), allow_nan=False) + "\n")
