@@ -112,6 +112,8 @@ def register_sweep(subparsers) -> None:
     p.add_argument("--audit", dest="audit", action="store_true", default=None,
                    help="also run the preset's audit and put it in report.md (default for quick)")
     p.add_argument("--no-audit", dest="audit", action="store_false")
+    p.add_argument("--force", action="store_true",
+                   help="write into --out even when it holds another grid's results.json/report.md")
     p.set_defaults(func=sweep_main)
 
 
@@ -161,7 +163,8 @@ def sweep_main(args: argparse.Namespace) -> int:
     audit = preset(AUDIT_PRESETS, args.preset) if run_audit_too else None
     executor = make_executor(args.executor, args.workers, args.ray_address)
     try:
-        status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet)
+        status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet,
+                              force=args.force)
     except ResultsError as err:
         raise SystemExit(f"pdm-lab sweep: error: {err}") from None
     print(f"{status['ran']} runs now, {status['skipped']} reused, {status['runs']}/{status['total']} done "

@@ -28,17 +28,18 @@ def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True) ->
 
 
 def sweep_to_dir(cfg: SweepConfig, out: str | Path, *, executor=None, audit: AuditConfig | None = None,
-                 progress: bool = True, title: str = "pdm_lab toy sweep") -> dict:
-    """Run (or resume) the sweep, optionally the audit, then the table, figures and report.md."""
+                 progress: bool = True, title: str = "pdm_lab toy sweep", force: bool = False) -> dict:
+    """Run (or resume) the sweep, optionally the audit, then the table, figures and report.md
+    (``force``: over another grid's results; see ``sweep.claim_out``)."""
     out = Path(out)
     with DirLock(out, what="sweep output"):  # held through the report too (re-entrant)
-        return _sweep_to_dir_locked(cfg, out, executor, audit, progress, title)
+        return _sweep_to_dir_locked(cfg, out, executor, audit, progress, title, force)
 
 
 def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConfig | None,
-                         progress: bool, title: str) -> dict:
+                         progress: bool, title: str, force: bool) -> dict:
     start = time.perf_counter()
-    status = run_sweep(cfg, out, executor=executor, progress=progress)
+    status = run_sweep(cfg, out, executor=executor, progress=progress, force=force)
     audit_doc, audit_figs = None, None
     if audit is not None:
         audit_json = out / "audit" / "audit.json"

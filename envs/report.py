@@ -1,12 +1,17 @@
 """report.md: the sweep's figures and tables, which configuration won on which criterion, and
-the audit — stated as the numbers show, ties included."""
+the audit — stated as the numbers show: a winner only where it is separated from the runner-up
+at 95%, a collapse rate only for runs long enough for the collapse definition."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from .collapse import collapse_section
-from .summary import config_label, config_summary, group_rows, mismatch_label
+from pdm_lab.runtime.evidence import COLLAPSE_MIN_STEPS, CRITERION, collapse_measurable, separation, shortfalls
+
+from .collapse import collapse_note, collapse_section
+from .summary import config_label, config_summary, group_rows, mismatch_label, newcombe_diff_ci
 
 
 def _num(x: float, digits: int = 3) -> str:
@@ -33,26 +38,72 @@ def _pct(x: float) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}%"
 
 
-def _winner(summaries: dict[str, dict], value, *, higher: bool, interval=None) -> str:
-    """Best config on one criterion, and whether its CI separates it from the runner-up."""
-    scored = [(label, value(s)) for label, s in summaries.items() if not math.isnan(value(s))]
+@dataclass(frozen=True)
+class Criterion:
+    """One way to rank configurations: a per-run outcome and its better direction."""
+
+    what: str
+    value: Callable[[dict], float]
+    higher: bool
+    rate: str | None = None
+    """a 0/1 row field counted as a rate (Newcombe interval of the difference) instead of a mean."""
+
+
+REWARD = Criterion("final reward", lambda r: r["final_reward"], higher=True)
+COLLAPSE = Criterion("collapse rate", lambda r: float(bool(r["collapsed"])), higher=False, rate="collapsed")
+UNSAFE_KEEP = Criterion("unsafe-keep rate (mean of runs' rates)", lambda r: r["unsafe_keep"], higher=False)
+MASKED = Criterion("fraction of tokens masked", lambda r: r["mask_fraction"], higher=False)
+
+
+def _rate_pair(best: list[dict], second: list[dict], field: str) -> tuple[str, str, str, bool]:
+    """Counts of ``field`` in each, the Newcombe interval of the difference, whether it is < 0."""
+    hits = [sum(bool(r[field]) for r in rows) for rows in (best, second)]
+    d, lo, hi = newcombe_diff_ci(hits[0], len(best), hits[1], len(second))
+    separated = hi < 0
+    diff = f"difference {d:+.2f}, 95% Newcombe CI [{lo:+.2f}, {hi:+.2f}]" + ("" if separated else " includes 0")
+    return f"{hits[0]}/{len(best)}", f"{hits[1]}/{len(second)}", diff, separated
+
+
+def decide(groups: dict[str, list[dict]], crit: Criterion) -> tuple[str | None, str]:
+    """(the winning label or None, the report's words) for configurations ``groups`` (label →
+    rows) on ``crit``: a winner only where it is separated from the runner-up at 95%
+    (``pdm_lab.runtime.evidence``) with enough seeds; otherwise "no winner: tied (…)"."""
+    if crit.rate and not all(collapse_measurable(r["steps"]) for rows in groups.values() for r in rows):
+        short = min(r["steps"] for rows in groups.values() for r in rows)
+        return None, (f"n/a (runs of {short} steps; the collapse definition needs ≥ {COLLAPSE_MIN_STEPS})")
+    scored = []
+    for label, rows in groups.items():
+        values = [float(v) for v in map(crit.value, rows) if v is not None and math.isfinite(float(v))]
+        if values:
+            scored.append((sum(values) / len(values), label, values))
     if not scored:
-        return "no data"
-    scored.sort(key=lambda item: item[1], reverse=higher)
-    best, best_v = scored[0]
+        return None, "no data"
+    scored.sort(key=lambda item: item[0], reverse=crit.higher)
     if len(scored) == 1:
-        return f"**{best}** ({_num(best_v)}; the only configuration)"
-    second, second_v = scored[1]
-    tied = [label for label, v in scored if v == best_v]
-    if len(tied) > 1:
-        return f"tie at {_num(best_v)} between {', '.join(f'**{t}**' for t in tied)}"
-    if interval is None:
-        return f"**{best}** ({_num(best_v)}; next: {second} {_num(second_v)})"
-    b_lo, b_hi = interval(summaries[best])[1:]
-    s_lo, s_hi = interval(summaries[second])[1:]
-    separated = (b_lo > s_hi) if higher else (b_hi < s_lo)
-    verdict = "separated at 95%" if separated else "not separable from the runner-up at 95% (a tie within noise)"
-    return f"**{best}** ({_num(best_v)}; next: {second} {_num(second_v)}; {verdict})"
+        return None, f"only one configuration with data ({scored[0][1]}, {_num(scored[0][0])}): nothing to compare"
+    (_, best, best_v), (_, second, second_v) = scored[0], scored[1]
+    if crit.rate:
+        b_txt, s_txt, diff, separated = _rate_pair(groups[best], groups[second], crit.rate)
+    else:
+        sep = separation(best_v, second_v, higher=crit.higher)
+        b_txt, s_txt, diff, separated = sep.best.text(), sep.runner_up.text(), sep.text(), sep.separated
+    short = shortfalls(steps=None, seeds=min(_seeds(groups[best]), _seeds(groups[second])))
+    body = f"best {best} {b_txt}; runner-up {second} {s_txt}; {diff}"
+    if separated and not short:
+        return best, f"**{best}** ({body})"
+    return None, f"no winner: tied ({body}" + "".join(f"; {why}" for why in short) + ")"
+
+
+def _seeds(rows: list[dict]) -> int:
+    return len({r.get("seed", i) for i, r in enumerate(rows)})
+
+
+def _winner(groups: dict[str, list[dict]], crit: Criterion) -> str:
+    return decide(groups, crit)[1]
+
+
+def _by_config(rows: list[dict]) -> dict[str, list[dict]]:
+    return {label: group for (label,), group in group_rows(rows, lambda r: (config_label(r),)).items()}
 
 
 def _config_table(summaries: dict[str, dict]) -> list[str]:
@@ -69,22 +120,21 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
     lines = ["## Sweep", ""]
     if not rows:
         return lines + ["No finished runs.", ""]
-    overall = {label: config_summary(group) for (label,), group in
-               group_rows(rows, lambda r: (config_label(r),)).items()}
+    configs = _by_config(rows)
+    overall = {label: config_summary(group) for label, group in configs.items()}
     lines += ["### Which configuration won", "",
-              "Over all mismatch settings (each configuration ran the same cells and seeds):", "",
-              f"- highest final reward: {_winner(overall, lambda s: s['final_reward'][0], higher=True, interval=lambda s: s['final_reward'])}",
-              f"- lowest collapse rate: {_winner(overall, lambda s: s['collapse'][0], higher=False, interval=lambda s: s['collapse'])}",
-              f"- lowest unsafe-keep rate (pooled over kept outside tokens): {_winner(overall, lambda s: s['unsafe_keep'], higher=False)}",
-              f"- fewest tokens masked: {_winner(overall, lambda s: s['mask_fraction'][0], higher=False)}",
+              f"Criterion: {CRITERION}. Over all mismatch settings (each configuration ran the same cells and seeds):", "",
+              f"- highest final reward: {_winner(configs, REWARD)}",
+              f"- lowest collapse rate: {_winner(configs, COLLAPSE)}",
+              f"- lowest unsafe-keep rate: {_winner(configs, UNSAFE_KEEP)}",
+              f"- fewest tokens masked: {_winner(configs, MASKED)}",
               "", "Per mismatch setting (highest final reward):", ""]
     by_mismatch = group_rows(rows, lambda r: (mismatch_label(r),))
     for (mismatch,), group in by_mismatch.items():
-        per = {label: config_summary(g) for (label,), g in group_rows(group, lambda r: (config_label(r),)).items()}
-        lines.append(f"- `{mismatch}`: {_winner(per, lambda s: s['final_reward'][0], higher=True, interval=lambda s: s['final_reward'])}")
+        lines.append(f"- `{mismatch}`: {_winner(_by_config(group), REWARD)}")
     lines += ["", "### All configurations", ""] + _config_table(overall)
     for (mismatch,), group in by_mismatch.items():
-        per = {label: config_summary(g) for (label,), g in group_rows(group, lambda r: (config_label(r),)).items()}
+        per = {label: config_summary(g) for label, g in _by_config(group).items()}
         lines += ["", f"#### mismatch `{mismatch}`", ""] + _config_table(per)
     lines += [""] + collapse_section(rows)
     lines += ["", "### Figures", ""]
@@ -97,8 +147,7 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
         lines += [f"![{captions.get(name, name)}]({path.relative_to(root).as_posix()})", "",
                   f"*{captions.get(name, name)}.*", ""]
     lines += ["Definitions: *final reward* is π's expected reward after training (exact for the bandit, "
-              "on-policy samples for the token MDP); *collapsed* means training produced non-finite values or "
-              "its smoothed batch-reward curve ended below half of the best it reached (and more than 0.05 below it); *realised mismatch* is the mean "
+              "on-policy samples for the token MDP); " + collapse_note() + " *Realised mismatch* is the mean "
               "top-K KL D(μ‖π) over the tokens the trainer used, measured at each update (so staleness counts); "
               "results.csv also has the rollout-time values.", ""]
     return lines
@@ -128,20 +177,17 @@ def stress_verdict(rows: list[dict], regime: dict[str, dict]) -> list[str]:
     groups = {"realistic": [r for r in rows if mismatch_label(r) in regime and _realistic(regime[mismatch_label(r)])],
               "stress": [r for r in rows if mismatch_label(r) in regime and not _realistic(regime[mismatch_label(r)])
                          and mismatch_label(r) != "none"]}
-    best = {}
-    for name, group in groups.items():
-        if group:
-            summaries = {label: config_summary(g) for (label,), g in group_rows(group, lambda r: (config_label(r),)).items()}
-            best[name] = (max(summaries, key=lambda k: summaries[k]["final_reward"][0]),
-                          _winner(summaries, lambda s: s["final_reward"][0], higher=True, interval=lambda s: s["final_reward"]))
-    lines = []
-    for name in ("realistic", "stress"):
-        if name in best:
-            lines.append(f"- highest final reward over the {name} settings: {best[name][1]}")
-    if len(best) == 2:
-        same = best["realistic"][0] == best["stress"][0]
-        lines.append("- the verdict " + ("is the same under the stress settings." if same else
-                                         "**changes** under the stress settings: a stress-regime result does not carry over."))
+    decided = {name: decide(_by_config(group), REWARD) for name, group in groups.items() if group}
+    lines = [f"- highest final reward over the {name} settings: {decided[name][1]}"
+             for name in ("realistic", "stress") if name in decided]
+    if len(decided) == 2:
+        winners = [decided[name][0] for name in ("realistic", "stress")]
+        if None in winners:
+            lines.append("- at least one group has no separated winner: whether the verdict changes under stress is not measured here.")
+        elif winners[0] == winners[1]:
+            lines.append("- the verdict is the same under the stress settings.")
+        else:
+            lines.append("- the verdict **changes** under the stress settings: a stress-regime result does not carry over.")
     elif lines:
         lines.append("- no stress setting in this grid: whether the verdict changes under stress is not measured here "
                      "(the `stress` preset and the paper audit's stress study measure it).")

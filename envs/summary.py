@@ -8,6 +8,7 @@ from typing import Callable, Iterable
 from pdm_lab.audit import mean_ci  # noqa: F401  (SPEC §6 statistics live in the core)
 from pdm_lab.masks import MASK_RULES
 from pdm_lab.metrics import finalize, merge_metrics, metric
+from pdm_lab.runtime.evidence import collapse_measurable
 
 
 def finite(values: Iterable) -> list[float]:
@@ -23,6 +24,17 @@ def wilson_ci(successes: int, trials: int, *, z: float = 1.959964) -> tuple[floa
     centre = (p + z * z / (2 * trials)) / denom
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
     return p, min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
+
+
+def newcombe_diff_ci(s1: int, n1: int, s2: int, n2: int) -> tuple[float, float, float]:
+    """p1 − p2 and Newcombe's hybrid-score 95% interval (from the two Wilson intervals); NaN: an
+    empty side."""
+    p1, l1, u1 = wilson_ci(s1, n1)
+    p2, l2, u2 = wilson_ci(s2, n2)
+    if math.isnan(p1) or math.isnan(p2):
+        return math.nan, math.nan, math.nan
+    d = p1 - p2
+    return d, d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
 
 
 def group_rows(rows: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[dict]]:
@@ -60,12 +72,15 @@ def pooled_unsafe_keep(rows: list[dict]) -> tuple[float, int]:
 
 
 def config_summary(rows: list[dict]) -> dict:
-    """Final reward (mean, CI), collapse rate (Wilson CI), pooled unsafe-keep, mask fraction."""
+    """Final reward (mean, CI), collapse rate (Wilson CI; NaN where a run is shorter than the
+    collapse definition needs), pooled unsafe-keep, mask fraction."""
     reward = mean_ci(r["final_reward"] for r in rows)
     collapsed = sum(bool(r["collapsed"]) for r in rows)
+    measurable = all(collapse_measurable(r["steps"]) for r in rows)
     mask = mean_ci(r["mask_fraction"] for r in rows)
     uk, uk_n = pooled_unsafe_keep(rows)
-    return {"runs": len(rows), "final_reward": reward, "collapse": wilson_ci(collapsed, len(rows)),
-            "collapses": collapsed, "unsafe_keep": uk, "unsafe_keep_tokens": uk_n,
-            "mask_fraction": mask,
+    return {"runs": len(rows), "final_reward": reward,
+            "collapse": wilson_ci(collapsed, len(rows)) if measurable else (math.nan,) * 3,
+            "collapses": collapsed, "collapse_measurable": measurable, "unsafe_keep": uk,
+            "unsafe_keep_tokens": uk_n, "mask_fraction": mask,
             "mismatch": mean_ci((r["update_topk_kl_mean"] for r in rows), n_boot=500)}

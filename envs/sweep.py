@@ -2,7 +2,7 @@
 
 Layout of a results directory::
 
-    sweep.json                      the grid that was asked for (informational)
+    sweep.json                      the grid that was asked for: names the sweep this folder holds
     cells/<cell_id>/config.json     the cell's TrainConfig (everything but the seed)
     cells/<cell_id>/seed_<s>.jsonl  per-step metrics, appended while the run goes
     cells/<cell_id>/seed_<s>.json   the finished run: its table row and reward curve
@@ -23,6 +23,7 @@ from typing import Annotated
 
 from pdm_lab.config import ConfigError, at_least, config_dataclass, from_dict, non_negative, to_dict  # field checks
 from pdm_lab.runtime.locking import DirLock
+from pdm_lab.runtime.outputs import claim_output_dir
 from pdm_lab.masks import get_mask_rule
 from pdm_lab.runtime.results import COLUMNS, ResultsError, SweepRow, cell_path, row_from_dict, write_results
 
@@ -162,8 +163,24 @@ def pending_jobs(cfg: SweepConfig, out: Path) -> tuple[list[RunJob], int]:
     return jobs, total
 
 
-def run_sweep(cfg: SweepConfig, out: str | Path, *, executor=None, progress: bool = True) -> dict:
+#: What a sweep writes at the top of its folder (another grid's are refused without ``force``).
+PRODUCTS = ("results.json", "results.csv", "report.md")
+#: Fields that grow a grid rather than change it: more seeds of the same cells resume it.
+GROWS = ("seeds", "first_seed")
+
+
+def claim_out(cfg: SweepConfig, out: Path, *, force: bool = False) -> None:
+    """Refuse ``out`` when it holds another grid's table or report (``sweep.json`` differs beyond
+    the seed range): the sweep would overwrite them (``pdm_lab.runtime.outputs``)."""
+    claim_output_dir(out, marker="sweep.json", identity=to_dict(cfg), products=PRODUCTS, what="sweep",
+                     ignore=GROWS, force=force)
+
+
+def run_sweep(cfg: SweepConfig, out: str | Path, *, executor=None, progress: bool = True,
+              force: bool = False) -> dict:
     """Run every unfinished cell × seed, storing each result as it arrives; then the table.
+
+    ``out`` holding another grid's results is refused unless ``force`` (``claim_out``).
 
     Returns:
         ``{"total": runs in the grid, "skipped": already finished, "ran": finished now,
@@ -171,6 +188,7 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, executor=None, progress: boo
     """
     out = Path(out)
     with DirLock(out, what="sweep output"):  # one sweep per --out: no cell runs twice
+        claim_out(cfg, out, force=force)
         return _run_sweep_locked(cfg, out, executor, progress)
 
 

@@ -19,6 +19,7 @@ from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import unsafe_keep_rates
 from pdm_lab.config import ConfigError, MaskConfig, at_least, config_dataclass, in_range, one_of, positive  # field checks
 from pdm_lab.metrics import MetricSums, as_mismatch, finalize_floats, merge_metrics, metric, step_metric_sums
+from pdm_lab.runtime.evidence import collapse_window
 
 from .mismatch import Mismatch
 from .policies import POLICY_KINDS, make_policy
@@ -109,7 +110,7 @@ def is_collapsed(curve: list[float], final: float | None = None, *, drop: float,
         return True
     if not curve:
         return False
-    w = max(1, len(curve) // 10)
+    w = collapse_window(len(curve))
     smooth = [sum(curve[max(0, i - w + 1):i + 1]) / len(curve[max(0, i - w + 1):i + 1])
               for i in range(len(curve))]
     best = max(smooth)

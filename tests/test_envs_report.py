@@ -1,11 +1,12 @@
-"""Confidence intervals and the report's verdicts."""
+"""Confidence intervals and the report's verdicts: a winner only where separated from the
+runner-up at 95% with enough seeds, a collapse rate only for runs long enough to define one."""
 import math
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdm_lab.envs.report import _winner
-from pdm_lab.envs.summary import config_label, mean_ci, wilson_ci
+from pdm_lab.envs.report import COLLAPSE, REWARD, _by_config, _winner, sweep_section
+from pdm_lab.envs.summary import config_label, mean_ci, newcombe_diff_ci, wilson_ci
 
 
 @given(st.lists(st.floats(-10, 10), min_size=1, max_size=30))
@@ -27,13 +28,48 @@ def test_nan_and_empty_inputs():
     assert all(math.isnan(v) for v in wilson_ci(0, 0))
 
 
-def test_winner_says_tie_when_intervals_overlap_and_separated_when_not():
-    close = {"a": {"r": (0.50, 0.40, 0.60)}, "b": {"r": (0.45, 0.35, 0.55)}}
-    far = {"a": {"r": (0.90, 0.85, 0.95)}, "b": {"r": (0.20, 0.10, 0.30)}}
-    assert "tie within noise" in _winner(close, lambda s: s["r"][0], higher=True, interval=lambda s: s["r"])
-    assert "separated at 95%" in _winner(far, lambda s: s["r"][0], higher=True, interval=lambda s: s["r"])
-    equal = {"a": {"r": (0.0, 0.0, 0.0)}, "b": {"r": (0.0, 0.0, 0.0)}}
-    assert _winner(equal, lambda s: s["r"][0], higher=False).startswith("tie at 0.000")
+def _rows(rule, rewards, *, steps=40, collapsed=()):
+    base = dict(delta=0.15, k=20, convention="union", mismatch="none", optimizer="adam", lr=0.05, epochs=1,
+                minibatches=1, mask_fraction=0.1, update_topk_kl_mean=0.01, unsafe_keep=0.3,
+                unsafe_keep_count=10, unsafe_count=3)
+    return [dict(base, rule=rule, seed=i, steps=steps, final_reward=r, collapsed=i in collapsed)
+            for i, r in enumerate(rewards)]
+
+
+def test_the_issue_example_names_no_winner():
+    """ppo_clip 0.136 over two 10-step seeds against a runner-up within noise: tied, no collapse rate."""
+    rows = _rows("ppo_clip", [0.130, 0.142], steps=10) + _rows("dppo_topk_kl", [0.129, 0.139], steps=10,
+                                                                collapsed=(1,))
+    groups = _by_config(rows)
+    text = _winner(groups, REWARD)
+    assert text.startswith("no winner: tied (best ppo_clip 0.136") and "**" not in text
+    assert "includes 0" in text and "2 seeds, fewer than the 3 a winner needs" in text
+    assert _winner(groups, COLLAPSE) == "n/a (runs of 10 steps; the collapse definition needs ≥ 30)"
+    report = "\n".join(sweep_section(rows, {}, None))
+    assert "| ppo_clip | 2 | 0.136 [" in report and "| n/a |" in report  # the collapse column
+    assert "It needs runs of ≥ 30 steps" in report and "**ppo_clip**" not in report
+    assert "| `none` | dppo_topk_kl δ=0.15 | 2 | n/a | n/a |" in report  # the collapse table
+
+
+def test_a_separated_winner_is_named_with_its_interval():
+    rows = _rows("pdm_topk", [0.80, 0.82, 0.81], collapsed=()) + _rows("ppo_clip", [0.70, 0.72, 0.71],
+                                                                       collapsed=(0, 1, 2))
+    groups = _by_config(rows)
+    text = _winner(groups, REWARD)
+    assert text.startswith("**pdm_topk δ=0.15** (best") and "95% Welch CI [+0.077, +0.123]" in text
+    assert _winner(groups, COLLAPSE).startswith("**pdm_topk δ=0.15** (best pdm_topk δ=0.15 0/3; runner-up ppo_clip 3/3")
+    tied = _by_config(_rows("pdm_topk", [0.9, 0.5, 0.7]) + _rows("ppo_clip", [0.6, 0.8, 0.7]))
+    assert _winner(tied, REWARD).startswith("no winner: tied (")
+    one = _by_config(_rows("pdm_topk", [0.9, 0.5, 0.7]))
+    assert "nothing to compare" in _winner(one, REWARD)
+
+
+@given(st.integers(0, 20), st.integers(1, 20), st.integers(0, 20), st.integers(1, 20))
+def test_newcombe_interval_brackets_the_difference(k1, n1, k2, n2):
+    k1, k2 = min(k1, n1), min(k2, n2)
+    d, lo, hi = newcombe_diff_ci(k1, n1, k2, n2)
+    assert -1 - 1e-12 <= lo <= d <= hi <= 1 + 1e-12
+    assert d == k1 / n1 - k2 / n2
 
 
 def test_config_label_hides_region_parameters_of_region_free_rules():

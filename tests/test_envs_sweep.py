@@ -1,4 +1,5 @@
-"""The sweep: grid expansion, stable cell ids, the tidy table, resuming, a kill mid-sweep, Ray."""
+"""The sweep: grid expansion, stable cell ids, the tidy table, resuming, a kill mid-sweep, Ray,
+and its output folder: another grid's results are never overwritten without --force."""
 import csv
 import json
 import os
@@ -15,6 +16,7 @@ from pdm_lab.envs.executors import LocalExecutor, make_executor
 from pdm_lab.envs.problems import ProblemConfig
 from pdm_lab.envs.sweep import COLUMNS, SweepConfig, cell_id, load_runs, mismatch_axis, run_sweep
 from pdm_lab.envs.train import TrainConfig
+from pdm_lab.runtime.outputs import OutputPathError
 from pdm_lab.runtime.results import read_results
 
 TINY = SweepConfig(
@@ -100,7 +102,44 @@ def test_kill_mid_sweep_then_resume_loses_only_runs_in_flight(tmp_path):
     assert f"{len(finished)} reused" in res.stdout
     assert all(p.read_bytes() == data for p, data in finished.items())
     assert len(list(out.glob("cells/*/seed_*.json"))) == 16
-    assert (out / "report.md").exists()
+    report = (out / "report.md").read_text()
+    assert "lowest collapse rate: n/a (runs of 6 steps; the collapse definition needs ≥ 30)" in report
+    assert "- highest final reward: no winner: tied (" in report or "- highest final reward: **" in report
+
+
+def test_out_holding_another_grids_results_is_refused(tmp_path):
+    run_sweep(TINY, tmp_path, executor=LocalExecutor(1), progress=False)
+    before = {name: (tmp_path / name).read_bytes() for name in ("results.json", "results.csv", "sweep.json")}
+    other = SweepConfig(**{**TINY.__dict__, "rules": ("ppo_clip",)})
+    with pytest.raises(OutputPathError, match="holds the results.json, results.csv of a different sweep") as err:
+        run_sweep(other, tmp_path, executor=LocalExecutor(1), progress=False)
+    assert "\n" not in str(err.value) and "--force" in str(err.value)
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert run_sweep(TINY, tmp_path, executor=LocalExecutor(1), progress=False)["skipped"] == 8  # same grid resumes
+    forced = run_sweep(other, tmp_path, executor=LocalExecutor(1), progress=False, force=True)
+    assert forced["ran"] == 4 and json.loads((tmp_path / "sweep.json").read_text())["rules"] == ["ppo_clip"]
+    foreign = tmp_path / "foreign"  # a table nobody recorded as a sweep
+    foreign.mkdir()
+    (foreign / "report.md").write_text("someone's report\n")
+    with pytest.raises(OutputPathError, match="holds report.md but no sweep.json"):
+        run_sweep(TINY, foreign, executor=LocalExecutor(1), progress=False)
+    assert (foreign / "report.md").read_text() == "someone's report\n"
+
+
+def test_sweep_cli_refuses_another_grids_out_in_one_line(tmp_path, capsys):
+    from pdm_lab.runtime.cli import main
+
+    out = tmp_path / "s"
+    grid = ["base.problem.kind=bandit", "base.policy=tabular", "base.steps=2", "mismatches=[none]", "--seeds", "1",
+            "--workers", "1", "--no-audit", "--quiet", "--out", str(out)]
+    assert main(["sweep", "rules=[pdm_uniform]"] + grid) == 0
+    report = (out / "report.md").read_bytes()
+    capsys.readouterr()
+    assert main(["sweep", "rules=[ppo_clip]"] + grid) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "of a different sweep" in err and str(out) in err
+    assert (out / "report.md").read_bytes() == report
+    assert main(["sweep", "rules=[ppo_clip]", "--force"] + grid) == 0
 
 
 def test_ray_executor_matches_local(tmp_path):
