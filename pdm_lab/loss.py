@@ -1,4 +1,5 @@
-"""The masked policy loss (SPEC §5): the one function the toys and the scaling loop call."""
+"""The masked policy loss (SPEC §5): the one loss tail the toys, the scaling loop, TRL and verl
+call (``pdm_lab.reference_loss`` is the same loss in plain eager torch, top to bottom)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .aggregation import DPInfo, aggregate
 from .fast.compiled import compile_default, maybe_compiled, one_thread
-from .config import AGGREGATIONS, MaskConfig
+from .config import MaskConfig
 from .errors import PDMInputError, check_same, check_tensor
 from .masks import compute_mask, get_mask_rule, outside_region
 from .metrics import MetricSums, finalize, step_metric_sums
@@ -38,7 +40,7 @@ def token_surrogate(logp_k: Tensor, mu_logp_k: Tensor, advantages: Tensor, keep:
     Value −M·Â·min(r, c), computed as exp(log r + sg(min(0, log c − log r))) so the cap never
     forms r itself (r = e^{110} overflows; min(r, c)/r was 0/0) and r still carries the gradient.
     Dropped tokens (M = 0) and Â = 0 are *selected* to exactly 0 before any exponential, never
-    multiplied by 0: 0·inf = NaN, and a dropped token's log r may be anything finite (issue 9).
+    multiplied by 0: 0·inf = NaN, and a dropped token's log r may be anything finite.
     A kept, uncapped token whose r overflows the dtype (log r > ~88 in float32) is +inf: that is
     the true value, which only a cap (``clip_ratio_c``) or the mask bounds. The cap c is a number,
     or a 0-d tensor (the compiled loss passes it so: a new c is then an input, not a recompile).
@@ -55,44 +57,10 @@ def token_surrogate(logp_k: Tensor, mu_logp_k: Tensor, advantages: Tensor, keep:
     return torch.where(active, value, 0.0)
 
 
-def aggregate(loss_mat: Tensor, response_mask: Tensor, mode: str = "token-mean",
-              horizon: int | Tensor | None = None) -> Tensor:
-    """Reduce a [B, T] per-token loss over the response tokens.
-
-    token-mean: Σ l·m / Σ m (DAPO). seq-mean-token-mean: mean over sequences of each one's token
-    mean. seq-mean-token-sum: mean over sequences of token sums. seq-mean-token-sum-norm: mean
-    over sequences of token sums / horizon (Dr. GRPO; horizon default T). Padding never counts;
-    sequences with no response token are left out of the sequence means. `horizon` may be a 0-d
-    tensor (as the compiled loss passes it).
-    """
-    if mode not in AGGREGATIONS:
-        raise PDMInputError(f"aggregation: unknown {mode!r}; valid: {', '.join(AGGREGATIONS)}")
-    check_tensor("loss_mat", loss_mat, ndim=2)
-    check_same(("loss_mat", "response_mask"), loss_mat, response_mask)
-    mask = response_mask.to(loss_mat.dtype)
-    # select, don't multiply: a padding slot's loss may be inf, and inf·0 = NaN
-    masked = torch.where(response_mask.bool(), loss_mat, 0.0)
-    if mode == "token-mean":
-        return masked.sum() / mask.sum().clamp(min=1)
-    counts = mask.sum(dim=1)
-    has_tokens = counts > 0
-    n_seq = has_tokens.sum().clamp(min=1)
-    sums = masked.sum(dim=1)
-    if mode == "seq-mean-token-mean":
-        per_seq = sums / counts.clamp(min=1)
-    elif mode == "seq-mean-token-sum":
-        per_seq = sums
-    else:
-        if not isinstance(horizon, Tensor):
-            horizon = float(horizon if horizon is not None else loss_mat.shape[1])
-        per_seq = sums / horizon
-    return (per_seq * has_tokens).sum() / n_seq
-
-
 def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
                     response_mask: Tensor, cfg: MaskConfig, *, mu_full: Tensor | None = None,
                     pi_full: Tensor | None = None, compiled: bool | None = None,
-                    coupled: Tensor | None = None) -> LossOutput:
+                    coupled: Tensor | None = None, dp: DPInfo | None = None) -> LossOutput:
     """Masked, optionally capped, aggregated policy-gradient loss with its per-step metrics.
 
     Args:
@@ -105,6 +73,9 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         compiled: the compiled stats path (see ``token_stats``) and the surrogate, aggregation and
             metrics as one compiled graph; default from ``PDM_LAB_COMPILE``. Tested equal to eager.
         coupled: [N] c_t of SPEC §3b (``pdm_lab.coupled.coupled_scores``), for ``pdm_coupled``.
+        dp: this batch is a part (micro-batch, rank) of a larger one: the loss is this part's
+            share of the whole batch's aggregate (``pdm_lab.aggregation``); the metric sums stay
+            this part's own, to be merged (``merge_metrics``, ``all_reduce_metrics``).
     """
     check_tensor("advantages", advantages, ndim=2, floating=True)
     check_same(("advantages", "response_mask"), advantages, response_mask)
@@ -126,7 +97,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         if not compile_tail:
             loss, sums = _surrogate_and_metrics(pi.logp, support.mu_logp, support.k_index, adv, keep,
                                                 response_mask, stats, outside, cfg.clip_ratio_c, cfg.aggregation,
-                                                cfg.horizon, cfg.direction_estimator)
+                                                cfg.horizon, cfg.direction_estimator, dp)
     if compile_tail:  # one graph forward, one backward, on torch's threads (few kernels, few joins)
         # Torch 2.13's guard builder fails ("sources must not be empty for symbol …") on inputs
         # that alias (resp, a view of response_mask: ``compiled.unaliased`` would copy it) and on
@@ -137,7 +108,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
                                dtype=torch.float64)
         loss, sums = maybe_compiled(_surrogate_and_metrics, True)(
             pi.logp, support.mu_logp, support.k_index, adv, keep, response_mask, stats, outside, cap,
-            cfg.aggregation, horizon, cfg.direction_estimator)
+            cfg.aggregation, horizon, cfg.direction_estimator, _as_tensors(dp))
     return LossOutput(loss=loss, keep=keep.reshape(advantages.shape), stats=stats, metrics=finalize(sums),
                       metric_sums=sums)
 
@@ -145,7 +116,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
 def _surrogate_and_metrics(pi_logp: Tensor, mu_logp: Tensor, k_index: Tensor, adv: Tensor, keep: Tensor,
                            response_mask: Tensor, stats: TokenStats, outside: Tensor,
                            clip_ratio_c: float | Tensor | None, aggregation: str, horizon: int | Tensor | None,
-                           estimator: str) -> tuple[Tensor, MetricSums]:
+                           estimator: str, dp: DPInfo | None = None) -> tuple[Tensor, MetricSums]:
     """The per-token tail of ``pdm_policy_loss`` after the mask: surrogate, aggregation, metric
     sums. Eager, or one compiled graph (with its backward). It reads the cap, the aggregation,
     the horizon and the direction estimator, never δ (the mask and `outside` come in decided),
@@ -153,6 +124,15 @@ def _surrogate_and_metrics(pi_logp: Tensor, mu_logp: Tensor, k_index: Tensor, ad
     logp_k = pi_logp.gather(1, k_index[:, None])[:, 0]
     mu_logp_k = mu_logp.gather(1, k_index[:, None])[:, 0].to(logp_k.dtype)
     per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, clip_ratio_c)
-    loss = aggregate(per_token.reshape(response_mask.shape), response_mask, aggregation, horizon)
+    loss = aggregate(per_token.reshape(response_mask.shape), response_mask, aggregation, horizon, dp=dp)
     resp = response_mask.reshape(-1).bool()
     return loss, step_metric_sums(stats, keep, adv, resp, None, outside=outside, estimator=estimator)
+
+
+def _as_tensors(dp: DPInfo | None) -> DPInfo | None:
+    """`dp` with its counts as 0-d float64 tensors: the compiled tail takes a new count as an
+    input instead of recompiling for it (the counts change every step)."""
+    if dp is None:
+        return None
+    as_t = lambda x: None if x is None else torch.as_tensor(x, dtype=torch.float64)  # noqa: E731
+    return DPInfo(tokens=as_t(dp.tokens), sequences=as_t(dp.sequences), world=as_t(dp.world))

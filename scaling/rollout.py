@@ -9,7 +9,7 @@ ranks of one tensor-parallel group run the same requests in lock-step and get id
 μ is what the engine sampled from: ``logprobs_mode="processed_logprobs"`` (log_softmax of the
 temperature-scaled, top-k/top-p-filtered logits; −inf where cut) with ``flat_logprobs`` so that
 each position's K+1 entries (the sampled token first, then the top-K) reshape straight into
-tensors without building a Python dict per token.
+tensors without building a Python dict per token (``pdm_lab.engine_topk``).
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ import logging
 import os
 from typing import Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
+
+from pdm_lab.engine_topk import pad_responses, topk_from_flat
 
 
 def set_engine_env() -> None:
@@ -164,50 +165,27 @@ class RolloutBatch:
             answers=[self.answers[i] for i in idx])
 
 
-def _flat_to_arrays(flat, length: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """FlatLogprobs of one completion → ids [T, K+1], logp [T, K+1] (column 0: the sampled token)."""
-    ids = np.asarray(flat.token_ids, dtype=np.int64)
-    lps = np.asarray(flat.logprobs, dtype=np.float32)
-    if ids.size != length * (k + 1):
-        raise RuntimeError(f"vLLM returned {ids.size} log-prob entries for {length} tokens, "
-                           f"expected {k + 1} per token (is max_logprobs ≥ {k}?)")
-    return ids.reshape(length, k + 1), lps.reshape(length, k + 1)
-
-
 def outputs_to_batch(outputs, prompt_ids: list[list[int]], answers: list[str], *, k: int,
                      tokenizer) -> RolloutBatch:
     """Turn ``LLM.generate`` outputs (one RequestOutput per prompt, n completions each) into a
-    RolloutBatch, sequence order: prompt-major, then sample."""
+    RolloutBatch, sequence order: prompt-major, then sample. μ's top-K of each completion is read
+    by the core's parser (``pdm_lab.engine_topk.topk_from_flat``) and padded as it pads."""
     rows = []
     for p, (out, pids, ans) in enumerate(zip(outputs, prompt_ids, answers)):
         for comp in out.outputs:
             toks = list(comp.token_ids)
-            ids, lps = _flat_to_arrays(comp.logprobs, len(toks), k)
-            if len(toks) and not np.array_equal(ids[:, 0], np.asarray(toks)):
-                raise RuntimeError("vLLM log-prob entries do not start with the sampled token")
-            rows.append((p, pids, ans, toks, ids, lps, comp.finish_reason == "length"))
-    n = len(rows)
+            top = topk_from_flat(comp.logprobs, toks, k, response=len(rows))
+            rows.append((p, pids, ans, toks, top, comp.finish_reason == "length"))
     width = max([len(r[3]) for r in rows] + [1])
-    response_ids = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width, dtype=torch.bool)
-    sampled_logp = torch.zeros(n, width, dtype=torch.float32)
-    topk_ids = torch.full((n, width, k), -1, dtype=torch.long)
-    topk_logp = torch.full((n, width, k), float("-inf"), dtype=torch.float32)
-    for i, (_, _, _, toks, ids, lps, _) in enumerate(rows):
-        t = len(toks)
-        if t == 0:
-            continue
-        response_ids[i, :t] = torch.as_tensor(toks)
-        mask[i, :t] = True
-        sampled_logp[i, :t] = torch.from_numpy(lps[:, 0])
-        topk_ids[i, :t] = torch.from_numpy(ids[:, 1:])
-        topk_logp[i, :t] = torch.from_numpy(lps[:, 1:])
+    batch = pad_responses([r[4] for r in rows], width)
+    lengths = torch.tensor([len(r[3]) for r in rows], dtype=torch.long)
     texts = tokenizer.batch_decode([r[3] for r in rows], skip_special_tokens=True)
     return RolloutBatch(
-        prompt_ids=[list(r[1]) for r in rows], response_ids=response_ids, response_mask=mask,
-        sampled_logp=sampled_logp, topk_ids=topk_ids, topk_logp=topk_logp,
+        prompt_ids=[list(r[1]) for r in rows], response_ids=batch.sampled,
+        response_mask=torch.arange(width)[None, :] < lengths[:, None],
+        sampled_logp=batch.sampled_logp, topk_ids=batch.ids, topk_logp=batch.logp,
         group=torch.tensor([r[0] for r in rows], dtype=torch.long),
-        truncated=torch.tensor([r[6] for r in rows], dtype=torch.bool),
+        truncated=torch.tensor([r[5] for r in rows], dtype=torch.bool),
         texts=texts, answers=[r[2] for r in rows])
 
 

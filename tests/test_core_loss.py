@@ -203,3 +203,73 @@ def test_compiled_tail_inputs_are_tensors_none_of_them_a_view_of_another(monkeyp
     assert all(x is None or isinstance(x, (torch.Tensor, str)) for x in leaves), [type(x) for x in leaves]
     storages = [x.untyped_storage().data_ptr() for x in tensors]
     assert len(set(storages)) == len(storages), "two inputs of the compiled tail share storage"
+
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_two_ranks_losses_sum_to_the_single_rank_loss(mode):
+    """Data parallel: each rank's loss with the whole batch's counts (``DPInfo``, given once) is
+    its share of the whole batch's aggregate — value and gradient. Summed gradients: world = 1;
+    averaged (FSDP): world = 2 and the mean is the whole. A rank that normalises by its own count
+    (the planted bug: no ``dp``) misses, since the two ranks hold different counts."""
+    from pdm_lab.aggregation import DPInfo
+
+    mu, logits, sampled, support, adv = _setup(b=4, t=5, n=30, seed=7)
+    resp = torch.ones_like(adv, dtype=torch.bool)
+    resp[0, 3:] = False
+    resp[2, 1:] = False
+    resp[3, :] = False  # a sequence with no response token counts nowhere
+    cfg = MaskConfig(rule="pdm_topk", delta=0.02, k=5, aggregation=mode, horizon=7)
+    pol = policy_on_support(logits, support.ids)
+    whole = pdm_policy_loss(pol, support, adv, resp, cfg)
+    (whole_grad,) = torch.autograd.grad(whole.loss, logits)
+    assert whole.keep.eq(0).any()  # the mask is part of what the split must preserve
+
+    ranks = (torch.tensor([0, 1]), torch.tensor([2, 3]))  # sequences: ranks of unequal counts
+    rows = [(r[:, None] * 5 + torch.arange(5)).reshape(-1) for r in ranks]
+    counts = [(int(resp[r].sum()), int(resp[r].any(1).sum())) for r in ranks]
+
+    def rank_loss(r, rr, dp):
+        part = type(support)(**{f: getattr(support, f)[rr] for f in ("ids", "k_index", "mu_logp", "mu_tail_logp",
+                                                                      "mu_kth_logp", "tail_count")},
+                             vocab_size=support.vocab_size)
+        pi = policy_on_support(logits[rr], part.ids)
+        return pdm_policy_loss(pi, part, adv[r], resp[r], cfg, dp=dp).loss
+
+    for world in (1, 2):
+        dp = DPInfo(tokens=sum(c[0] for c in counts), sequences=sum(c[1] for c in counts), world=world)
+        losses = [rank_loss(r, rr, dp) for r, rr in zip(ranks, rows)]
+        total = (losses[0] + losses[1]) / world
+        (grad,) = torch.autograd.grad(total, logits)
+        torch.testing.assert_close(total, whole.loss, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(grad, whole_grad, rtol=1e-10, atol=1e-15)
+    local = rank_loss(ranks[0], rows[0], None) + rank_loss(ranks[1], rows[1], None)
+    assert not torch.isclose(local, whole.loss, rtol=1e-6)
+
+
+def test_dp_counts_are_required_for_the_mode_and_reach_the_compiled_tail_as_inputs():
+    """A DPInfo without the count a mode divides by is refused, naming the field; the compiled
+    tail takes new counts as inputs (no recompile) and equals eager."""
+    from torch._dynamo.utils import counters
+
+    from pdm_lab.aggregation import DPInfo
+    from pdm_lab.errors import PDMInputError
+
+    mu, logits, sampled, support, adv = _setup(b=2, t=4, n=30, seed=2)
+    resp = torch.ones_like(adv, dtype=torch.bool)
+    with pytest.raises(PDMInputError, match="DPInfo.sequences"):
+        aggregate(adv, resp, "seq-mean-token-sum", dp=DPInfo(tokens=8))
+    cfg = MaskConfig(rule="pdm_topk", delta=0.02, k=5)
+    graphs = None
+    for tokens in (13.0, 21.0):
+        runs = {}
+        for compiled in (False, True):
+            out = pdm_policy_loss(policy_on_support(logits, support.ids), support, adv, resp, cfg,
+                                  dp=DPInfo(tokens=tokens, world=2), compiled=compiled)
+            runs[compiled] = (out.loss, torch.autograd.grad(out.loss, logits)[0])
+        torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-12, atol=1e-15)
+        graphs = counters["stats"]["unique_graphs"] if graphs is None else graphs
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -19,7 +19,9 @@ from pdm_lab.advantages import group_advantages
 from pdm_lab.scaling.config import TinyModelConfig, TrainerConfig
 from pdm_lab.scaling.fp8 import dequantize_blockwise, quantize_blockwise, quantize_dequantize
 from pdm_lab.scaling.policy_model import PolicyModel
-from pdm_lab.scaling.rollout import RolloutBatch, _flat_to_arrays, outputs_to_batch, request_seed
+from pdm_lab.engine_topk import topk_from_flat
+from pdm_lab.errors import PDMInputError
+from pdm_lab.scaling.rollout import RolloutBatch, outputs_to_batch, request_seed
 from pdm_lab.scaling.tiny_model import build_model
 from pdm_lab.scaling.weight_sync import to_rollout_precision
 
@@ -94,7 +96,7 @@ class Tok:
 def _completion(tokens, k, finish="stop"):
     ids, lps = [], []
     for t in tokens:
-        top = [(t + j) % 50 for j in range(k)]
+        top = [(t + j + 1) % 50 for j in range(k)]  # k outside the top-K: K + 1 distinct entries
         ids += [t] + top
         lps += [-0.5] + [-0.1 * (j + 1) for j in range(k)]
     return Completion(token_ids=tokens, logprobs=Flat(ids, lps), finish_reason=finish)
@@ -110,9 +112,9 @@ def test_outputs_to_batch():
     assert b.group.tolist() == [0, 0, 1, 1] and b.truncated.tolist() == [False, True, False, False]
     assert b.prompt_ids[2] == [3] and b.answers == ["a", "a", "b", "b"] and b.texts[0] == "567"
     assert b.topk_ids[1, 1:].eq(-1).all() and b.topk_logp[1, 1:].eq(float("-inf")).all()
-    assert b.topk_ids[0, 0].tolist() == [5, 6, 7] and b.sampled_logp[0, 0] == -0.5
-    with pytest.raises(RuntimeError, match="expected 4 per token"):
-        _flat_to_arrays(Flat([1, 2], [0.0, 0.0]), 1, 3)
+    assert b.topk_ids[0, 0].tolist() == [6, 7, 8] and b.sampled_logp[0, 0] == -0.5
+    with pytest.raises(PDMInputError, match="expected 4 per token"):
+        topk_from_flat(Flat([1, 2], [0.0, 0.0]), [1], 3)
 
 
 def test_request_seed_is_stable():

@@ -10,9 +10,9 @@ Three overrides, the fewest TRL 1.16 allows (it has no hook for a custom mask):
 
 * ``_generate_single_turn`` — keeps μ's top-K at every generated position: from HF ``generate``
   the processed log-probs log_softmax(scores) (after temperature and the logits processors, the
-  distribution actually sampled); from vLLM ``logprobs=K`` in ``processed_logprobs`` mode, with
-  the sampled token's log-prob re-picked by id (vLLM adds it as a (K+1)-th entry when it is
-  outside the top-K).
+  distribution actually sampled); from vLLM ``logprobs=K`` in ``processed_logprobs`` mode, read
+  by the core's parser (``pdm_lab.engine_topk.topk_from_ranked``: the sampled token's log-prob
+  re-picked by id, vLLM's extra (K+1)-th entry when it is outside the top-K).
 * ``_generate_and_score_completions`` — adds [B, T, K] ``pdm_topk_ids``/``pdm_topk_logp`` and [B, T]
   ``pdm_mu_logp`` to TRL's batch dict; TRL shuffles and splits them with the rest.
 * ``_compute_loss`` — π on the support through ``policy_on_support`` (chunked gather: no [B·T, V]
@@ -23,12 +23,11 @@ requires. Tested with the TRL versions in ``pdm_lab.integrations.versions.TESTED
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from ..config import MaskConfig
+from ..engine_topk import EngineTopK, pad_responses, topk_from_ranked
 from ..loss import pdm_policy_loss
 from ..policy_side import policy_on_support
 from ..support import support_from_topk, topk_lower_id_ties
@@ -54,25 +53,12 @@ def rows_from_scores(scores: list[Tensor], sampled: Tensor, k: int) -> tuple[Ten
     return ids.reshape(b, t, -1), top.reshape(b, t, -1), mu_k
 
 
-def rows_from_vllm(logprobs: list[list[float | None]], token_ids: list[list[int]], sampled: int,
-                   k: int) -> tuple[list[int], list[float], float]:
-    """One position of vLLM's ``logprobs=K`` answer (sorted by rank) → top-K ids, log μ, log μ_k.
-
-    The sampled token is found by id, never by position: it is one of the top-K or vLLM's extra
-    (K+1)-th entry.
-    """
-    values = [(-math.inf if lp is None else lp) for lp in logprobs]
-    if sampled not in token_ids:
-        raise ValueError(f"vLLM logprobs lack the sampled token {sampled} (ids {token_ids[:k + 1]})")
-    mu_k = values[token_ids.index(sampled)]
-    return list(token_ids[:k]), values[:k], mu_k
-
-
-def _pad_rows(rows: list[Tensor], length: int, fill) -> Tensor:
-    out = torch.full((len(rows), length, *rows[0].shape[1:]), fill, dtype=rows[0].dtype)
-    for i, r in enumerate(rows):
-        out[i, : r.shape[0]] = r[:length]
-    return out
+def rollout_from_vllm(completion_ids: list[list[int]], logprobs: list, token_ids: list,
+                      k: int) -> list[EngineTopK]:
+    """TRL's view of vLLM's answer (``vllm_generation.generate``: per completion, per position,
+    log-probs and ids sorted by rank) → μ's top-K of each completion, by the core's parser."""
+    return [topk_from_ranked(lps, ids, seq, k, response=i)
+            for i, (seq, lps, ids) in enumerate(zip(completion_ids, logprobs, token_ids, strict=True))]
 
 
 class PDMGRPOTrainer(GRPOTrainer):
@@ -106,16 +92,8 @@ class PDMGRPOTrainer(GRPOTrainer):
             _, completion_ids, logprobs, token_ids = self.vllm_generation.generate(
                 prompts=prompt_ids, images=None, num_generations=num_generations,
                 profiler=profiling_context(self, "vLLM.generate"))
-            rollout, sampled_logps = [], []
-            for seq, lps, ids in zip(completion_ids, logprobs, token_ids, strict=True):
-                rows = [rows_from_vllm(lp, ti, tok, k) for tok, lp, ti in zip(seq, lps, ids, strict=True)]
-                top_ids = torch.tensor([r[0] + [-1] * (k - len(r[0])) for r in rows], dtype=torch.long)
-                top_lp = torch.tensor([r[1] + [-math.inf] * (k - len(r[1])) for r in rows], dtype=torch.float32)
-                mu_k = torch.tensor([r[2] for r in rows], dtype=torch.float32)
-                rollout.append((top_ids.reshape(len(rows), k), top_lp.reshape(len(rows), k), mu_k))
-                sampled_logps.append(mu_k.tolist())
-            self._pdm_rollout = rollout
-            return completion_ids, sampled_logps
+            self._pdm_rollout = rollout_from_vllm(completion_ids, logprobs, token_ids, k)
+            return completion_ids, [r.sampled_logp.tolist() for r in self._pdm_rollout]
         if self.use_transformers_continuous_batching:
             raise NotImplementedError("PDMGRPOTrainer: continuous batching exposes no scores; use generate or vLLM")
         return self._generate_with_scores(prompt_ids, k)
@@ -146,7 +124,8 @@ class PDMGRPOTrainer(GRPOTrainer):
         completion_ids, rollout = [], []
         for i, n in enumerate(length.tolist()):
             completion_ids.append(completion[i, :n].tolist())
-            rollout.append((top_ids[i, :n].cpu(), top_lp[i, :n].cpu(), mu_k[i, :n].cpu()))
+            rollout.append(EngineTopK(ids=top_ids[i, :n].cpu(), logp=top_lp[i, :n].cpu(),
+                                      sampled=completion[i, :n].cpu(), sampled_logp=mu_k[i, :n].cpu()))
         self._pdm_rollout = rollout
         return completion_ids, None
 
@@ -159,9 +138,10 @@ class PDMGRPOTrainer(GRPOTrainer):
             raise RuntimeError(f"PDMGRPOTrainer: {len(rollout)} rollouts kept for a batch of "
                                f"{output['completion_ids'].size(0)} completions")
         device = output["completion_ids"].device
-        output["pdm_topk_ids"] = _pad_rows([r[0] for r in rollout], length, -1).to(device)
-        output["pdm_topk_logp"] = _pad_rows([r[1] for r in rollout], length, -math.inf).to(device)
-        output["pdm_mu_logp"] = _pad_rows([r[2] for r in rollout], length, 0.0).to(device)
+        batch = pad_responses(rollout, length)
+        output["pdm_topk_ids"] = batch.ids.to(device)
+        output["pdm_topk_logp"] = batch.logp.to(device)
+        output["pdm_mu_logp"] = batch.sampled_logp.to(device)
         self._pdm_rollout = []
         return output
 

@@ -25,17 +25,14 @@ from typing import Any
 
 import torch
 
-from ..loss import token_surrogate
-from ..masks import compute_mask
-from ..metrics import step_metrics
-from ..stats import token_stats
+from ..loss import pdm_policy_loss
 from .sampled_token import sampled_token_rules, sampled_token_view
-from .verl_config import LOSS_PREFIX, TOPK_ENV, mask_config  # noqa: F401  (re-exported)
+from .verl_config import LOSS_PREFIX, TOPK_ENV, loss_setup, mask_config  # noqa: F401  (re-exported)
 from .versions import require_version
 
 VERL_VERSION = require_version("verl")
 
-from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss  # noqa: E402
+from verl.trainer.ppo.core_algos import register_policy_loss  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
 
 
@@ -50,39 +47,27 @@ class PDMPolicyLossConfig(PolicyLossConfig):
     mask: dict = dataclasses.field(default_factory=dict)
 
 
-def _global_batch_info(config: Any) -> dict:
-    info = getattr(config, "global_batch_info", None)
-    return dict(info) if info else {}
-
-
 def pdm_verl_loss(rule: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                   response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
                   rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's ``PolicyLossFn`` for `rule`: [B, T] log μ_k (bypass mode: the rollout's), log π_k.
 
-    Per token: pdm_lab's surrogate −M·min(r, c)·Â (``token_surrogate``); aggregated by verl's
-    ``agg_loss`` so data-parallel normalisation stays verl's. On one rank with token-mean this is
-    ``pdm_policy_loss`` exactly (tests/frameworks/verl).
+    The core's loss (``pdm_policy_loss``) on the one-slot support S = {k}
+    (``sampled_token_view``), aggregated by ``loss_agg_mode`` with verl's global batch counts
+    (``loss_setup``: the normalisation verl's ``agg_loss`` applies). Tested equal, value and
+    gradient, to ``pdm_policy_loss`` on μ's top-K support (tests_frameworks/verl).
     """
     if rollout_is_weights is not None:
         raise ValueError(f"{LOSS_PREFIX}{rule}: rollout_is_weights given; pdm_lab's rules replace IS "
                          "weighting (set algorithm.rollout_correction.rollout_is=null)")
-    cfg = mask_config(config, rule)
-    resp = response_mask.bool()
-    shape = log_prob.shape
-    mu_k = old_log_prob.reshape(-1).to(log_prob.dtype)
-    pi_k = log_prob.reshape(-1)
-    support, pi = sampled_token_view(mu_k, pi_k)
-    stats = token_stats(support, pi)
-    adv = torch.where(resp.reshape(-1), advantages.reshape(-1).to(pi_k.dtype), torch.zeros_like(pi_k))
-    keep = compute_mask(cfg, stats, adv, resp)
-    per_token = token_surrogate(pi_k, mu_k, adv, keep, cfg.clip_ratio_c).reshape(shape)
-    loss = agg_loss(loss_mat=per_token, loss_mask=resp, loss_agg_mode=loss_agg_mode, **_global_batch_info(config))
-    metrics = step_metrics(stats, keep, adv, resp.reshape(-1), cfg)
-    # one-slot support: the top-K and Ḋ metrics would describe S = {k}, so only these are reported
-    shown = {k: v for k, v in metrics.items() if k.startswith(("mask/frac_dropped", "ratio/", "tokens/"))}
-    shown["div/binary_kl_mean"] = (stats.binary_kl * resp.reshape(-1)).sum() / resp.sum().clamp(min=1)
-    return loss, {f"actor/pdm/{k}": float(v) for k, v in shown.items()}
+    cfg, dp = loss_setup(config, rule, loss_agg_mode)
+    support, pi = sampled_token_view(old_log_prob.reshape(-1).to(log_prob.dtype), log_prob.reshape(-1))
+    out = pdm_policy_loss(pi, support, advantages.to(log_prob.dtype), response_mask.bool(), cfg, dp=dp)
+    # one-slot support: the top-K and Ḋ metrics would describe S = {k}, so only these are reported;
+    # on S = {k} the top-K KL is the binary KL (μ_T = 1 − μ_k, π_T = 1 − π_k)
+    shown = {k: v for k, v in out.metrics.items() if k.startswith(("mask/frac_dropped", "ratio/", "tokens/"))}
+    shown["div/binary_kl_mean"] = out.metrics["div/topk_kl_mean"]
+    return out.loss, {f"actor/pdm/{k}": float(v) for k, v in shown.items()}
 
 
 def register_all() -> tuple[str, ...]:

@@ -3,8 +3,10 @@ top-K patch set, and the mask section of a verl actor config (``verl``, ``verl_t
 ``verl_patches`` all read it; kept apart so they import it, not each other)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from ..aggregation import DPInfo
 from ..config import MaskConfig, from_dict
 from .launch_files import VERL_TOPK_ENV
 
@@ -25,3 +27,22 @@ def mask_config(config: Any, rule: str) -> MaskConfig:
         raise ValueError(f"policy_loss.mask.rule={section['rule']!r} contradicts loss_mode {LOSS_PREFIX}{rule}")
     section["rule"] = rule
     return from_dict(MaskConfig, section, where="policy_loss.mask")
+
+
+def loss_setup(config: Any, rule: str, loss_agg_mode: str) -> tuple[MaskConfig, DPInfo | None]:
+    """`rule`'s ``MaskConfig`` aggregated as verl asks (``loss_agg_mode``; the horizon of
+    ``seq-mean-token-sum-norm`` from ``global_batch_info.loss_scale_factor``, else the mask
+    section's), and the ``DPInfo`` of verl's ``global_batch_info`` (``dp_size``,
+    ``batch_num_tokens``, ``global_batch_size``): the core's aggregate then normalises each
+    micro-batch as verl's ``agg_loss`` does. None where verl normalises locally (one rank, no
+    global count)."""
+    cfg = mask_config(config, rule)
+    info = dict(getattr(config, "global_batch_info", None) or {})
+    horizon = info.get("loss_scale_factor")
+    cfg = dataclasses.replace(cfg, aggregation=loss_agg_mode,
+                              horizon=cfg.horizon if horizon is None else int(horizon))
+    world = int(info.get("dp_size") or 1)
+    tokens, sequences = info.get("batch_num_tokens"), info.get("global_batch_size")
+    if (tokens if loss_agg_mode == "token-mean" else sequences) is None and world == 1:
+        return cfg, None
+    return cfg, DPInfo(tokens=tokens, sequences=sequences, world=world)

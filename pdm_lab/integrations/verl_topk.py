@@ -8,40 +8,37 @@ each small and checked against verl's own utilities:
    ``processed_logprobs`` mode (after temperature and top-k/top-p: μ is what was sampled).
 2. ``topk_from_vllm(outputs, responses, k)`` — vLLM's per-position dicts → [B, T, K] ids and
    log-probs plus [B, T] log μ_k, at the *logit-aligned* position of each response token (entry t
-   of a completion is the distribution that produced response token t), the sampled token re-
-   picked by id (vLLM adds it as a (K+1)-th entry when it is outside the top-K). These ride in
-   the batch as ``rollout_topk_ids``/``rollout_topk_logp`` beside verl's ``rollout_log_probs``.
+   of a completion is the distribution that produced response token t), read by the core's parser
+   (``pdm_lab.engine_topk``). These ride in the batch as ``rollout_topk_ids``/``rollout_topk_logp``
+   beside verl's ``rollout_log_probs``.
 3. ``topk_policy_loss(config, logits, data, temperature)`` — the actor side: the support's ids
    go to the row of the model's no-padding logits [nnz, V] that predicts each response token
    (found with verl's ``no_padding_2_padding``, the same left shift verl applies to log-probs),
-   then π on the support through the chunked gather on those rows (no [B, T, V] copy) and
-   ``pdm_policy_loss``'s per-token surrogate, aggregated with verl's ``agg_loss``.
+   then π on the support through the chunked gather on those rows (no [B, T, V] copy) and the
+   core's ``pdm_policy_loss``, normalised with verl's global batch counts as ``agg_loss`` does.
 
 Wiring 1–3 into verl's server, agent loop and actor is ``pdm_lab.integrations.verl_patches``
 (the versioned patch set); this module holds the parts whose numerics matter.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..loss import token_surrogate
-from ..masks import compute_mask
-from ..metrics import step_metrics
-from ..policy_side import PolicyOnSupport, policy_on_support
-from ..stats import token_stats
+from ..engine_topk import EngineTopK, pad_responses, topk_from_dicts
+from ..loss import pdm_policy_loss
+from ..padding import PAD_ID, PAD_LOGP, pad_to_length, policy_with_padding_rows
+from ..policy_side import policy_on_support
 from ..support import support_from_topk
 from .versions import require_version
 
 VERL_VERSION = require_version("verl")
 
-from verl.trainer.ppo.core_algos import agg_loss  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
-from .verl_config import mask_config  # noqa: E402
+from .verl_config import loss_setup  # noqa: E402
 
 TOPK_KEYS = ("rollout_topk_ids", "rollout_topk_logp")
 
@@ -51,30 +48,18 @@ def sampling_kwargs(k: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return {"logprobs": k}, {"logprobs_mode": "processed_logprobs"}
 
 
-def _logprob(value: Any) -> float:
-    lp = getattr(value, "logprob", value)
-    return -math.inf if lp is None or (isinstance(lp, float) and math.isnan(lp)) else float(lp)
-
-
 def topk_from_vllm(position_logprobs: list[list[dict[int, Any]]], responses: Tensor,
                    k: int) -> tuple[Tensor, Tensor, Tensor]:
     """[B] lists of per-position ``{token_id: Logprob}`` (vLLM ``CompletionOutput.logprobs``) and
-    the [B, T] right-padded responses → [B, T, K] ids (−1 pad), log μ (−inf pad), [B, T] log μ_k."""
-    b, t = responses.shape
-    ids = torch.full((b, t, k), -1, dtype=torch.long)
-    logp = torch.full((b, t, k), -math.inf, dtype=torch.float32)
-    mu_k = torch.zeros(b, t, dtype=torch.float32)
-    for i, seq in enumerate(position_logprobs):
-        for j, entry in enumerate(seq[:t]):
-            ranked = sorted(entry.items(), key=lambda kv: (-_logprob(kv[1]), kv[0]))
-            sampled = int(responses[i, j])
-            if sampled not in entry:
-                raise ValueError(f"vLLM logprobs of response {i}, position {j} lack the sampled token {sampled}")
-            mu_k[i, j] = _logprob(entry[sampled])
-            for slot, (tok, value) in enumerate(ranked[:k]):
-                ids[i, j, slot] = int(tok)
-                logp[i, j, slot] = _logprob(value)
-    return ids, logp, mu_k
+    the [B, T] right-padded responses → [B, T, K] ids (−1 pad), log μ (−inf pad), [B, T] log μ_k
+    (0 pad): ``pdm_lab.engine_topk.topk_from_dicts`` per response, padded as it pads."""
+    t = responses.shape[1]
+    rows = [topk_from_dicts(seq[:t], responses[i, : len(seq[:t])], k, response=i)
+            for i, seq in enumerate(position_logprobs)]
+    batch = pad_responses(rows, t) if rows else EngineTopK(
+        ids=torch.full((0, t, k), PAD_ID), logp=torch.full((0, t, k), PAD_LOGP),
+        sampled=responses[:0], sampled_logp=torch.zeros(0, t))
+    return batch.ids, batch.logp, batch.sampled_logp
 
 
 def topk_rules() -> tuple[str, ...]:
@@ -88,13 +73,9 @@ def pad_topk(ids: Any, logp: Any, length: int, k: int) -> tuple[Tensor, Tensor]:
     """[T', K] top-K of one response (the server's arrays) → [1, length, K] ids (−1 pad) and
     log μ (−inf pad): verl's agent loop pads ``rollout_log_probs`` the same way (right, to the
     configured response length, truncating a longer one)."""
-    ids_t = torch.as_tensor(ids, dtype=torch.long).reshape(-1, k)[:length]
-    logp_t = torch.as_tensor(logp, dtype=torch.float32).reshape(-1, k)[:length]
-    out_ids = torch.full((1, length, k), -1, dtype=torch.long)
-    out_logp = torch.full((1, length, k), -math.inf, dtype=torch.float32)
-    out_ids[0, : ids_t.shape[0]] = ids_t
-    out_logp[0, : logp_t.shape[0]] = logp_t
-    return out_ids, out_logp
+    ids_t = torch.as_tensor(ids, dtype=torch.long).reshape(-1, k)
+    logp_t = torch.as_tensor(logp, dtype=torch.float32).reshape(-1, k)
+    return pad_to_length(ids_t, length, PAD_ID)[None], pad_to_length(logp_t, length, PAD_LOGP)[None]
 
 
 def _response_rows(data: Any, nnz: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -120,7 +101,7 @@ def topk_policy_loss(config: Any, logits: Tensor, data: Any, *, rule: str, tempe
     π on the support is computed on the logits' own rows (the support's ids scattered to the row
     that predicts each response token, −1 elsewhere), chunked: no [B, T, V] copy of the logits.
     """
-    cfg = mask_config(config, rule)
+    cfg, dp = loss_setup(config, rule, loss_agg_mode)
     rows, valid = _response_rows(data, logits.shape[0], logits.device)
     b, t = rows.shape
     v = logits.shape[1]
@@ -128,7 +109,7 @@ def topk_policy_loss(config: Any, logits: Tensor, data: Any, *, rule: str, tempe
     flat, valid_flat = resp.reshape(-1), valid.reshape(-1)
     topk_ids, topk_logp = (data[key] for key in TOPK_KEYS)
     if topk_ids.is_nested:  # micro-batches may carry response fields as jagged tensors
-        topk_ids, topk_logp = topk_ids.to_padded_tensor(-1), topk_logp.to_padded_tensor(-math.inf)
+        topk_ids, topk_logp = topk_ids.to_padded_tensor(PAD_ID), topk_logp.to_padded_tensor(PAD_LOGP)
     topk_ids, topk_logp = topk_ids[:, :t], topk_logp[:, :t]
     if topk_ids.shape[:2] != (b, t):
         raise ValueError(f"{TOPK_KEYS[0]}: shape {tuple(topk_ids.shape)} does not cover the [B, T] = [{b}, {t}] "
@@ -137,25 +118,16 @@ def topk_policy_loss(config: Any, logits: Tensor, data: Any, *, rule: str, tempe
         topk_ids.reshape(b * t, -1), topk_logp.reshape(b * t, -1),
         data["responses"].reshape(-1), data["rollout_log_probs"].reshape(-1).float(), vocab_size=v,
         k=cfg.k, convention=cfg.convention, row_mask=flat)
-    row_of = rows.reshape(-1)[valid_flat]
-    ids_rows = torch.full((logits.shape[0], support.ids.shape[1]), -1, dtype=support.ids.dtype, device=logits.device)
-    ids_rows[row_of] = support.ids[valid_flat]
+    # π on the rows that have logits (scattered to the logits' own rows: no [B, T, V] copy);
+    # padding positions take π := μ, the core's padding rule
+    have = valid_flat.nonzero(as_tuple=True)[0]
+    row_of = rows.reshape(-1)[have]
+    ids_rows = torch.full((logits.shape[0], support.ids.shape[1]), PAD_ID, dtype=support.ids.dtype,
+                          device=logits.device)
+    ids_rows[row_of] = support.ids[have]
     on_rows = policy_on_support(logits, ids_rows, temperature=temperature)
-    # back to [B·T]; padding positions (no logits row) take π := μ: zero divergence, masked anyway
-    dtype = on_rows.logp.dtype
-    logp = support.mu_logp.to(dtype).clone()
-    logp[valid_flat] = on_rows.logp[row_of]
-    tail = support.mu_tail_logp.to(dtype).clone()
-    tail[valid_flat] = on_rows.tail_logp[row_of]
-    sumsq = 2 * support.mu_tail_logp.to(dtype)
-    sumsq[valid_flat] = on_rows.tail_log_sumsq[row_of]
-    pi = PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq)
-    stats = token_stats(support, pi, binary=cfg.rule_record.binary_stats)  # as pdm_policy_loss
-    adv = torch.where(flat, data["advantages"].reshape(-1).to(dtype), torch.zeros_like(flat, dtype=dtype))
-    keep = compute_mask(cfg, stats, adv, resp)
-    logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
-    per_token = token_surrogate(logp_k, support.mu_logp_k.to(logp_k.dtype), adv, keep, cfg.clip_ratio_c)
-    info = dict(getattr(config, "global_batch_info", None) or {})
-    loss = agg_loss(loss_mat=per_token.reshape(b, t), loss_mask=resp, loss_agg_mode=loss_agg_mode, **info)
-    metrics = step_metrics(stats, keep, adv, flat, cfg)
-    return loss, {f"actor/pdm/{key}": float(val) for key, val in metrics.items()}
+    pi_have = type(on_rows)(logp=on_rows.logp[row_of], tail_logp=on_rows.tail_logp[row_of],
+                            tail_log_sumsq=on_rows.tail_log_sumsq[row_of])
+    pi = policy_with_padding_rows(support, have, pi_have)
+    out = pdm_policy_loss(pi, support, data["advantages"].to(pi.logp.dtype), resp, cfg, dp=dp)
+    return out.loss, {f"actor/pdm/{key}": float(val) for key, val in out.metrics.items()}

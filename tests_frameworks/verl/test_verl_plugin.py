@@ -145,7 +145,7 @@ def test_topk_path_through_verls_padding_equals_pdm_policy_loss(rule):
     logits_padded = torch.zeros(B, P + T, V, dtype=torch.float64)
     logits_padded = torch.cat([logits_padded[:, : P - 1], pi_logits.reshape(B, T, V), logits_padded[:, P - 1 + T:]], 1)
     nnz = _no_padding(logits_padded, data["attention_mask"])
-    section = {"mask": dict(SECTION)}
+    section = {"mask": {**SECTION, "k": k}}
     cfg = type("Cfg", (), {"policy_loss": section, "global_batch_info": {}})()
     loss, metrics = topk_policy_loss(cfg, nnz, data, rule=rule)
     (grad,) = torch.autograd.grad(loss, pi_logits)
