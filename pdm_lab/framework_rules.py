@@ -13,7 +13,8 @@
 
 k1 = log r, k2 = ½(log r)², k3 = (r − 1) − log r, from ``stats.log_ratio`` (never from a rounded r).
 A sequence rule's drop function takes the [B, T] response mask as a fourth argument (the
-registry passes it for ``level="sequence"``); Â = 0 keeps, as for every rule.
+registry passes it for ``level="sequence"``); Â = 0 keeps, as for every rule. ``uses_delta=False``
+is declared (and checked against the reads) where a rule's own threshold could be mistaken for δ.
 """
 from __future__ import annotations
 
@@ -111,13 +112,12 @@ def _sequence_band_rule(statistic: str, fixed_agg: str | None):
     return rule
 
 
-for _stat in BAND_STATISTICS:
-    register_mask(f"seq_{_stat}", divergence="topk_kl" if _stat == "topk_kl" else None,
-                  uses_delta=False, level="sequence")(_sequence_band_rule(_stat, None))
-register_mask("seq_geo_mean", uses_delta=False, level="sequence")(_sequence_band_rule("k1", "mean"))
+for _stat in BAND_STATISTICS:  # records from the reads: seq_topk_kl reads D (and so the support)
+    register_mask(f"seq_{_stat}", level="sequence", uses_delta=False)(_sequence_band_rule(_stat, None))
+register_mask("seq_geo_mean", level="sequence", uses_delta=False)(_sequence_band_rule("k1", "mean"))
 
 
-@register_mask("opsm", level="sequence")
+@register_mask("opsm", level="sequence", uses_delta=False)
 def mask_opsm(stats, advantages, cfg, response_mask):
     """OPSM (slime): drop a response with Â<0 whose mean of log μ_k − log π_k exceeds opsm_delta."""
     seq_kl = per_sequence(-stats.log_ratio, response_mask, "mean")

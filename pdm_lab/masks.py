@@ -3,10 +3,14 @@
 A rule is a record (``MaskRule``): its name, the divergence it thresholds, the Ḋ estimator that
 decides its direction (or none), whether it reads δ, the reduced support and DPPO's binary
 divergences (computed only for the rules that read them), and its drop function
-``(stats, advantages, cfg) -> [N] bool``. Stages ask the record; nothing parses rule
-names. Adding a rule is one decorated function and one test::
+``(stats, advantages, cfg) -> [N] bool``. Stages ask the record; nothing parses rule names.
 
-    @register_mask("my_rule", divergence="topk_kl", estimator="topk")
+The record cannot disagree with its function: ``register_mask`` runs the function once on a
+probe (``RuleProbe``) that notes every statistic and every config field it reads, derives the
+record from those reads, and refuses a declared fact the reads contradict. Adding a rule is one
+decorated function and one test::
+
+    @register_mask("my_rule")                      # record: topk_kl, estimator topk, δ, support
     def my_rule(stats, advantages, cfg):
         return outside_region(stats.topk_kl, advantages, cfg) & (advantages * stats.ddot["topk"] > 0)
 
@@ -16,34 +20,30 @@ token (every outward test below is a strict inequality).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from .direction import DDOT_ESTIMATORS
 from .errors import PDMInputError, check_same, raise_at
+from .rule_probe import DIVERGENCES, LEVELS, DropFn, RuleProbe, arity_level, facts_from_reads, probe_reads
+from .stats import TokenStats
 
-if TYPE_CHECKING:
-    from .stats import TokenStats
-
-DropFn = Callable[["TokenStats", Tensor, Any], Tensor]
-
-#: The per-token divergences a rule may threshold: attribute names of ``TokenStats``.
-DIVERGENCES = ("topk_kl", "topk_tv", "binary_kl", "binary_tv")
-#: Those that ``token_stats`` computes only when asked (``binary=True``).
-BINARY_DIVERGENCES = ("binary_kl", "binary_tv")
+__all__ = ["DIVERGENCES", "DropFn", "MASK_RULES", "MaskRule", "RuleProbe", "compute_mask", "get_mask_rule",
+           "outside_region", "pdm_rule", "predictive_outward", "ratio_outward", "register_mask"]
 
 
 @dataclass(frozen=True)
 class MaskRule:
-    """One registered rule and the facts about it that stages, metrics and reports need."""
+    """One registered rule and the facts about it that stages, metrics and reports need, each
+    derived from what its drop function reads (``register_mask``)."""
 
     name: str
     drop: DropFn
     """``(stats, advantages, cfg) -> [N] bool`` drop tensor (cfg: a ``MaskConfig``)."""
     divergence: str | None = None
-    """the ``TokenStats`` divergence compared with δ (``topk_kl``, …), or None (no trust region)."""
+    """the ``TokenStats`` divergence the rule reads (``topk_kl``, …), or None (no trust region)."""
     estimator: str | None = None
     """the Ḋ estimator whose sign decides the direction (``pdm_*``), or None (ratio test / none)."""
     uses_delta: bool = False
@@ -58,42 +58,61 @@ class MaskRule:
     """reads ``stats.binary_kl`` / ``binary_tv``: ``pdm_policy_loss`` computes them only then."""
     doc: str = ""
 
-    def __call__(self, stats: "TokenStats", advantages: Tensor, cfg: Any) -> Tensor:
+    def __call__(self, stats: TokenStats, advantages: Tensor, cfg: Any) -> Tensor:
         return self.drop(stats, advantages, cfg)
 
 
 MASK_RULES: dict[str, MaskRule] = {}
 
 
-def register_mask(name: str, *, divergence: str | None = None, estimator: str | None = None,
-                  uses_delta: bool | None = None, uses_support: bool | None = None,
-                  level: str = "token", needs: tuple[str, ...] = (),
-                  binary_stats: bool | None = None) -> Callable[[DropFn], DropFn]:
-    """Decorator: register a drop function under `name` with its facts (see ``MaskRule``).
+_DERIVE: Any = object()  # a keyword left out of register_mask: the fact comes from the reads
 
-    ``uses_delta`` defaults to "thresholds a divergence"; ``uses_support`` to "thresholds a top-K
-    divergence or uses a Ḋ estimator"; ``binary_stats`` to "thresholds a binary divergence" (a
-    rule that reads ``stats.binary_kl`` or ``binary_tv`` otherwise says so).
+
+def register_mask(name: str, *, divergence: str | None = _DERIVE, estimator: str | None = _DERIVE,
+                  uses_delta: bool = _DERIVE, uses_support: bool = _DERIVE, level: str = _DERIVE,
+                  needs: tuple[str, ...] = _DERIVE, binary_stats: bool = _DERIVE) -> Callable[[DropFn], DropFn]:
+    """Decorator: register a drop function under `name`, its record derived from what it reads.
+
+    The function is called once here, on a probe (``RuleProbe``, six tokens, under two configs):
+    the ``TokenStats`` fields, Ḋ estimators and δ it reads give ``divergence``, ``estimator``,
+    ``uses_delta``, ``uses_support``, ``needs`` and ``binary_stats``; its signature gives
+    ``level`` (a fourth argument, the [B, T] response mask: ``sequence``). A keyword given here
+    is a declaration and must equal what the reads give: a rule that reads a statistic its
+    declaration leaves out (or declares one it never reads) is refused with ``ValueError``. A
+    read that only a branch the probe does not take makes is not seen.
     """
-    if divergence is not None and divergence not in DIVERGENCES:
+    declared = {key: value for key, value in (
+        ("divergence", divergence), ("estimator", estimator), ("uses_delta", uses_delta),
+        ("uses_support", uses_support), ("needs", needs), ("binary_stats", binary_stats),
+    ) if value is not _DERIVE}
+    if "needs" in declared:
+        declared["needs"] = tuple(declared["needs"])
+    if declared.get("divergence") not in (None, *DIVERGENCES):
         raise ValueError(f"rule {name!r}: divergence must be one of {DIVERGENCES}, got {divergence!r}")
-    if estimator is not None and estimator not in DDOT_ESTIMATORS:
+    if declared.get("estimator") not in (None, *DDOT_ESTIMATORS):
         raise ValueError(f"rule {name!r}: unknown Ḋ estimator {estimator!r}")
-    if level not in ("token", "sequence"):
+    if level is not _DERIVE and level not in LEVELS:
         raise ValueError(f"rule {name!r}: level must be 'token' or 'sequence', got {level!r}")
-    if uses_delta is None:
-        uses_delta = divergence is not None
-    if uses_support is None:
-        uses_support = estimator is not None or (divergence or "").startswith("topk")
-    if binary_stats is None:
-        binary_stats = divergence in BINARY_DIVERGENCES
 
     def wrap(fn: DropFn) -> DropFn:
         if name in MASK_RULES:
             raise ValueError(f"mask rule {name!r} is already registered")
-        MASK_RULES[name] = MaskRule(name=name, drop=fn, divergence=divergence, estimator=estimator,
-                                    uses_delta=uses_delta, uses_support=uses_support, level=level,
-                                    needs=tuple(needs), binary_stats=binary_stats, doc=(fn.__doc__ or "").strip())
+        by_signature = arity_level(name, fn)
+        if level is not _DERIVE and by_signature not in (None, level):
+            raise ValueError(f"rule {name!r}: declares level={level!r}, but its function's signature is "
+                             f"a {by_signature}-level rule's")
+        rule_level = by_signature if level is _DERIVE else level
+        if rule_level is None:
+            raise ValueError(f"rule {name!r}: its signature does not say its level: declare level=")
+        stats_reads, cfg_reads = probe_reads(name, fn, rule_level)
+        facts = facts_from_reads(name, stats_reads, cfg_reads)
+        for key, value in declared.items():
+            if value != facts[key]:
+                read = ", ".join(sorted(stats_reads | {f"cfg.{c}" for c in cfg_reads})) or "nothing"
+                raise ValueError(f"rule {name!r}: declares {key}={value!r}, but its function reads {read}, "
+                                 f"which makes {key}={facts[key]!r}; declare that, or leave {key} out")
+        MASK_RULES[name] = MaskRule(name=name, drop=fn, level=rule_level, doc=(fn.__doc__ or "").strip(),
+                                    **facts)
         return fn
     return wrap
 
@@ -107,7 +126,7 @@ def get_mask_rule(name: str) -> MaskRule:
 
 
 @torch.no_grad()
-def compute_mask(cfg: Any, stats: "TokenStats", advantages: Tensor,
+def compute_mask(cfg: Any, stats: TokenStats, advantages: Tensor,
                  response_mask: Tensor | None = None) -> Tensor:
     """[N] keep mask (1.0 keep, 0.0 drop) of rule ``cfg.rule``, in the dtype of ``stats.ratio``.
 
@@ -138,12 +157,12 @@ def outside_region(divergence: Tensor, advantages: Tensor, cfg: Any) -> Tensor:
     return divergence > delta
 
 
-def ratio_outward(stats: "TokenStats", advantages: Tensor) -> Tensor:
+def ratio_outward(stats: TokenStats, advantages: Tensor) -> Tensor:
     """PPO/DPPO direction test Â(r − 1) > 0, on log r to avoid rounding r at 1."""
     return advantages * stats.log_ratio > 0
 
 
-def predictive_outward(stats: "TokenStats", advantages: Tensor, estimator: str) -> Tensor:
+def predictive_outward(stats: TokenStats, advantages: Tensor, estimator: str) -> Tensor:
     """PDM direction test Â·Ḋ_estimator > 0: the update would grow the divergence (SPEC §3)."""
     if estimator not in stats.ddot:
         raise PDMInputError(f"Ḋ_{estimator}: these stats lack it "
@@ -152,13 +171,13 @@ def predictive_outward(stats: "TokenStats", advantages: Tensor, estimator: str) 
 
 
 @register_mask("none")
-def mask_none(stats: "TokenStats", advantages: Tensor, cfg: Any) -> Tensor:
+def mask_none(stats: TokenStats, advantages: Tensor, cfg: Any) -> Tensor:
     """Keep everything (plain importance-weighted policy gradient)."""
     return torch.zeros_like(advantages, dtype=torch.bool)
 
 
 @register_mask("ppo_clip")
-def mask_ppo_clip(stats: "TokenStats", advantages: Tensor, cfg: Any) -> Tensor:
+def mask_ppo_clip(stats: TokenStats, advantages: Tensor, cfg: Any) -> Tensor:
     """Drop (Â>0 ∧ r>1+ε_high) ∨ (Â<0 ∧ r<1−ε_low); GRPO clip-higher is (0.2, 0.28)."""
     r = stats.ratio
     return ((advantages > 0) & (r > 1 + cfg.eps_high)) | ((advantages < 0) & (r < 1 - cfg.eps_low))
@@ -176,7 +195,9 @@ for _divergence, _title in (("binary_tv", "DPPO-Binary-TV"), ("binary_kl", "DPPO
     register_mask(f"dppo_{_divergence}", divergence=_divergence)(_dppo_rule(_divergence, _title))
 
 
-def _pdm_rule(estimator: str) -> DropFn:
+def pdm_rule(estimator: str) -> DropFn:
+    """PDM's drop function for Ḋ `estimator` (SPEC §4): ``register_mask(f"pdm_{name}")(pdm_rule(name))``
+    registers it for an estimator added with ``register_ddot_estimator``."""
     def rule(stats, advantages, cfg):
         return outside_region(stats.topk_kl, advantages, cfg) & predictive_outward(stats, advantages, estimator)
     rule.__doc__ = f"PDM: drop D > δ ∧ Â·Ḋ_{estimator} > 0 (the update would grow the top-K KL)."
@@ -184,8 +205,7 @@ def _pdm_rule(estimator: str) -> DropFn:
 
 
 for _name in DDOT_ESTIMATORS:
-    register_mask(f"pdm_{_name}", divergence="topk_kl", estimator=_name,
-                  needs=("full",) if _name == "exact" else ())(_pdm_rule(_name))
+    register_mask(f"pdm_{_name}", divergence="topk_kl", estimator=_name)(pdm_rule(_name))
 
 
 @register_mask("icepop")
