@@ -19,7 +19,7 @@ def _init_worker() -> None:
 
     from pdm_lab.runtime.lifetime import die_with_parent
 
-    die_with_parent()  # a killed sweep leaves no worker writing into --out (issue 9)
+    die_with_parent()  # a killed sweep leaves no worker writing into --out
     torch.set_num_threads(1)
 
 

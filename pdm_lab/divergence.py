@@ -47,7 +47,7 @@ def binary_kl(mu_logp_k: Tensor, pi_logp_k: Tensor, *, mu_rest_logp: Tensor | No
 
     The complements log(1 − μ_k), log(1 − π_k) come from ``rest_logmass`` (a log-sum-exp over
     the rest of the distribution, SPEC §8) when given, else from log1mexp: with π_k within 1e-8
-    of 1, log π_k rounds to 0 in float32 and log1mexp(0) = −inf made the KL +inf (issue 9).
+    of 1, log π_k rounds to 0 in float32 and log1mexp(0) = −inf would make the KL +inf.
     """
     mu_rest = log1mexp(mu_logp_k) if mu_rest_logp is None else mu_rest_logp
     pi_rest = log1mexp(pi_logp_k) if pi_rest_logp is None else pi_rest_logp

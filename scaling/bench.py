@@ -14,7 +14,7 @@ Optional attributes on ``args`` (the core's parser need not define them): ``scal
 (default tiny-cpu.yaml), ``scaling_steps`` (default 8), ``scaling_tokens`` (default: a step's
 response tokens per rank from the run).
 
-``run_loop_bench`` (``pdm-lab bench --suite loop``): issue 12's workload run by our loop and, where
+``run_loop_bench`` (``pdm-lab bench --suite loop``): the tiny-loop workload run by our loop and, where
 TRL is installed, by TRL's ``GRPOTrainer`` (HF generate and vLLM colocate) on the same model,
 prompts and batch, alternated; our step's phase split and the step-time ratios to TRL.
 """
@@ -155,7 +155,7 @@ def run_bench(args) -> list[dict]:
 
 
 # ------------------------------------------------------------------ the loop suite (vs TRL)
-# The workload of issue 12: the tiny tied Qwen3 (131k parameters, vocab 512), 8 prompts × 8
+# The tiny-loop workload: the tiny tied Qwen3 (131k parameters, vocab 512), 8 prompts × 8
 # samples × ≤ 8 tokens, fp32, one optimiser step per batch, top-20 log-probs and the mask.
 LOOP_WORKLOAD = ["rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_tokens=8",
                  "trainer.mini_batches=1", "trainer.micro_batch_size=64", "eval.every=0",

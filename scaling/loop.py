@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    guard_rank()  # die with the launcher, even when it is SIGKILLed (issue 9)
+    guard_rank()  # die with the launcher, even when it is SIGKILLed
     cfg = load_config(args.config, args.overrides)
     run_training(cfg)
     if torch.distributed.is_initialized():

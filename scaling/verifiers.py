@@ -47,7 +47,7 @@ def extract_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (or ``\\boxed 5``), else None.
 
     Linear in ``len(text)``: the braces are matched once, then the occurrences are read from
-    the last one backwards (nested or unclosed ``\\boxed{`` ×1e4 used to take quadratic time).
+    the last one backwards, so nested or unclosed ``\\boxed{`` ×1e4 cannot take quadratic time.
     """
     hits = [m.end() for m in _BOX.finditer(text)]
     if not hits:

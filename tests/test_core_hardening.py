@@ -1,4 +1,4 @@
-"""Hardening of the core (issue 9): every numeric config field range-checked where it is defined,
+"""Hardening of the core: every numeric config field range-checked where it is defined,
 the directory lock, workers dying with their launcher, corrupt sweep results recomputed."""
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_mask_ranges_name_the_field(field, value, message):
         MaskConfig(**{field: value})
 
 
-def test_scaling_ranges_include_the_previously_unreachable_check():
+def test_scaling_ranges_refuse_the_edges_their_fields_exclude():
     from pdm_lab.scaling import config as sc
 
     syn = sc.SyntheticTaskConfig()

@@ -77,7 +77,7 @@ def test_collapse_rule():
 def test_divergence_to_non_finite_parameters_is_a_collapse_not_a_crash():
     cfg = TrainConfig(optimizer="sgd", lr=1.0, mask=MaskConfig(rule="none"), mismatch="noise:2",
                       **SMALL)
-    object.__setattr__(cfg, "lr", float("inf"))  # the config refuses inf (issue 9); force it to test the loop's guard
+    object.__setattr__(cfg, "lr", float("inf"))  # the config refuses inf; force it to test the loop's guard
     out = train(cfg)
     assert out["nonfinite"] and out["collapsed"] and math.isnan(out["final_reward"])
 

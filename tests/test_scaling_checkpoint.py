@@ -1,4 +1,4 @@
-"""Checkpoints (issue 9): checksums in the COMPLETE marker, verified on resume; a damaged newest
+"""Checkpoints: checksums in the COMPLETE marker, verified on resume; a damaged newest
 checkpoint is skipped with a warning naming it; a damaged named one is a one-line error naming
 the file; everything loads with ``weights_only=True``. Real ``torch.distributed.checkpoint``."""
 from __future__ import annotations

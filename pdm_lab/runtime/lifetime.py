@@ -1,6 +1,6 @@
-"""Workers die with their launcher (issue 9: ``kill -9`` of ``pdm-lab train``'s process group left
-both ranks running — torchrun starts workers in their own session — and they kept writing into
-the run directory).
+"""Workers die with their launcher: torchrun starts workers in their own session, so ``kill -9``
+of ``pdm-lab train``'s process group does not reach them, and without these guards they would
+keep writing into the run directory.
 
 Two guards, both set up by the process that must die:
 

@@ -2,8 +2,8 @@
 
 ``fcntl.flock`` on ``<dir>/.pdm_lab.lock``, which holds the holder's pid, host, start time and
 command. The kernel drops the lock when the holder dies (even by SIGKILL), so a stale file never
-blocks a restart; a second writer fails at once with one line naming the holder (issue 9: two
-sweeps on one ``--out`` ran every cell twice and tore step logs). Re-entrant within a process, so
+blocks a restart; a second writer fails at once with one line naming the holder (two sweeps on
+one ``--out`` would run every cell twice and tear its step logs). Re-entrant within a process, so
 a sweep's driver and its inner function can both take it.
 
     with DirLock(run_dir, what="run directory"):
