@@ -22,14 +22,46 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
 from .audit import delta_rates
+from .config import ConfigError, at_least, config_dataclass, non_negative, one_of
 from .errors import PDMInputError
+from .masks import MASK_RULES
 
 COUNT_KEYS = ("count", "grew", "shrank", "flat_count")
+
+
+@config_dataclass("audit")
+class LiveAuditConfig:
+    """The ``audit:`` section of a trainer (the scaling loop's config, ``PDMGRPOTrainer(audit=…)``):
+    every ``every`` steps, one optimiser step per rule from the same parameters and optimiser
+    state, ΔD on the batch's outside tokens, everything restored bit-exactly; one line per
+    audited step in ``audit.jsonl``. K is the mask's (the rollout's top-K). Off by default."""
+
+    every: Annotated[int, at_least(0)] = 0
+    """Audit every this many steps (0: never). The paper audited 61 batches of 1024 sequences."""
+    rules: tuple[str, ...] = ("dppo_topk_kl", "pdm_topk")
+    """The compared rules; the first is the reference every other is paired with (paper: the
+    ratio test vs PDM)."""
+    delta: Annotated[float, non_negative] | None = None
+    """δ of the audited rules and of the outside set (None: ``mask.delta``; paper: 0.15)."""
+    sequences: Annotated[int, at_least(1)] | None = None
+    """Audit the first this many sequences of the step's batch, over all ranks (None: all of it;
+    paper: 1024). Each rank audits its share."""
+    tolerance: Annotated[float, non_negative] = 1e-9
+    """|ΔD| ≤ tolerance counts as flat: D is measured with lm_head and the softmax in float64 on
+    the trainer's decoder, which is deterministic, so a step that does not move a token gives
+    ΔD = 0 exactly."""
+
+    def __post_init__(self) -> None:
+        if len(self.rules) < 2:
+            raise ConfigError(f"audit.rules: compare at least two rules, got {list(self.rules)}")
+        for i, rule in enumerate(self.rules):
+            one_of(f"audit.rules[{i}]", rule, MASK_RULES)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -96,8 +128,10 @@ def restore_params(snap: HostSnapshot, params: list[Tensor]) -> None:
             p.grad = None
         elif p.grad is not None:
             _local(p.grad).copy_(grad)
-        else:
-            raise PDMInputError("params: a gradient the snapshot holds was freed; restore before zero_grad")
+        elif hasattr(p, "to_local"):
+            raise PDMInputError("params: a sharded gradient the snapshot holds was freed; cannot rebuild it")
+        else:  # freed by a zero_grad(set_to_none=True) of the audited step
+            p.grad = grad.to(p.device, copy=True)
 
 
 @torch.no_grad()

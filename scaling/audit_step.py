@@ -126,6 +126,9 @@ def audit_live_batch(policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_si
         lr: the learning rate of this step's first optimiser step (the audited step takes it).
     """
     audit = cfg.audit
+    if audit.sequences is not None:  # this rank's share of the audited sequences (whole groups first)
+        share = min(len(batch), -(-audit.sequences // _world()))
+        batch, seq_adv = batch.select(list(range(share))), seq_adv[:share]
     delta = cfg.mask.delta if audit.delta is None else audit.delta
     rules = tuple(dict.fromkeys(audit.rules))
     temperature, chunk = cfg.rollout.temperature, cfg.trainer.logits_chunk_tokens
@@ -190,3 +193,53 @@ def write_record(run_dir, step: int, seed: int, record: dict) -> None:
     path = Path(run_dir) / "audit.jsonl"
     with path.open("a", encoding="utf-8") as fh:
         fh.write(json.dumps(json_safe({"step": step, "seed": seed, **record}), allow_nan=False) + "\n")
+
+
+def parameter_count(cfg) -> int | None:
+    """The policy's parameter count without loading weights: the safetensors headers of
+    ``model.path`` (their shapes), else its config.json (the model built on the meta device), or
+    the tiny model's section; None when neither is there."""
+    import json
+    import struct
+    from pathlib import Path
+
+    if cfg.model.tiny is not None:
+        from .tiny_model import build_model
+
+        with torch.device("meta"):
+            lm = build_model(cfg.model.tiny, cfg.model.tiny.vocab_size, eos_id=0, pad_id=0)
+        return sum(p.numel() for p in lm.parameters())
+    path = Path(cfg.model.path)
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        total = 0
+        for f in files:
+            with f.open("rb") as fh:
+                header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+            for name, meta in header.items():
+                if name != "__metadata__":
+                    n = 1
+                    for s in meta["shape"]:
+                        n *= s
+                    total += n
+        return total
+    if (path / "config.json").exists():
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
+        return sum(p.numel() for p in lm.parameters())
+    return None
+
+
+def audit_memory(cfg, world: int) -> dict:
+    """What ``--dry-run`` reports for the ``audit:`` section: its settings and the host memory of
+    the snapshot per rank (``host_bytes``), beyond the step's own."""
+    n = parameter_count(cfg)
+    per_rank = None if n is None else host_bytes(n, world)
+    return {"every": cfg.audit.every, "rules": list(cfg.audit.rules),
+            "delta": cfg.mask.delta if cfg.audit.delta is None else cfg.audit.delta, "k": cfg.mask.k,
+            "parameters": n, "ranks": world,
+            "host_snapshot_gib_per_rank": None if per_rank is None else round(per_rank / 2 ** 30, 3),
+            "note": "fp32 shard + AdamW's two moments on the host; plus per rule one update and one "
+                    "forward (time/audit_s)"}

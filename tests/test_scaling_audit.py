@@ -7,7 +7,8 @@
   a snapshot restored between them), and a planted bug (the optimiser state leaking from one
   rule's step into the next) is caught; a fresh AdamW (no state yet) is fresh again afterwards;
 * ``pdm-lab train --config tiny-cpu.yaml audit.every=1`` (fp8 rollout, one rank) writes
-  audit.jsonl with per-rule rates and logs ``time/audit_s``.
+  audit.jsonl with per-rule rates and logs ``time/audit_s``; δ = 1e-5, since the tiny model's fp8
+  mismatch stays far below the paper's δ (D ≈ 1e-4, max ~1e-3).
 """
 from __future__ import annotations
 
@@ -244,7 +245,7 @@ def test_train_with_audit_writes_audit_jsonl(tmp_path):
     cmd = [sys.executable, "-m", "pdm_lab", "train", "--config", str(REPO / "scaling" / "configs" / "tiny-cpu.yaml"),
            "total_steps=2", "model.tiny.sft_steps=60", "rollout.prompts_per_step=8", "rollout.group_size=4",
            "rollout.max_tokens=6", "rollout.precision=fp8", "rollout.fp8_block=32", "trainer.micro_batch_size=8",
-           "eval.every=0", "checkpoint.every=0", "log.sync_check_every=0", "audit.every=1", "audit.delta=0.001",
+           "eval.every=0", "checkpoint.every=0", "log.sync_check_every=0", "audit.every=1", "audit.delta=1e-5",
            "audit.rules=[dppo_topk_kl,pdm_topk,pdm_uniform]", "data.synthetic.n_train=400", f"run_dir={run_dir}",
            f"plugins=[{tmp_path / 'plugin.py'}]", "reward.verifier=pdm_lab_plugin_plugin:parity"]
     env = dict(os.environ, PDM_LAB_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
@@ -253,7 +254,7 @@ def test_train_with_audit_writes_audit_jsonl(tmp_path):
     lines = [json.loads(x) for x in (run_dir / "audit.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
     for r in lines:
-        assert r["rules"] == ["dppo_topk_kl", "pdm_topk", "pdm_uniform"] and r["delta"] == 0.001 and r["k"] == 20
+        assert r["rules"] == ["dppo_topk_kl", "pdm_topk", "pdm_uniform"] and r["delta"] == 1e-5 and r["k"] == 20
         assert r["outside"] > 0 and r["tokens"] > r["outside"]
         assert set(r["pairs"]) == {"dppo_topk_kl|pdm_topk", "dppo_topk_kl|pdm_uniform"}
         assert r["regime"]["outside_tokens"] == r["outside"]

@@ -1,0 +1,318 @@
+"""``pdm-lab transfer RUN_DIR --out DIR``: does a toy's audit verdict hold in the real loop? (SPEC §6c)
+
+Reads a scaling run's directory — ``audit.jsonl`` (the loop's audited steps) and
+``mismatch_sample.jsonl`` (its per-token mismatch, read by ``calibrate --from-run``'s code) — and
+never imports the scaling stage. Then:
+
+1. the run's regime: the calibration table of its mismatch sample at the audit's δ; its outside
+   fraction is the target;
+2. the toy calibrated to it: the mismatch strength of the toy preset searched (``calibrate``'s
+   bisection) until the toy's outside fraction matches the run's;
+3. the toy audit there (``envs.audit.run_audit``) with the run's rules, δ and K;
+4. side by side, each with a 95% CI: outside fraction and disagreement fraction (means over
+   audit points / seeds), each rule's unsafe-keep and shrink on its kept disagreement tokens
+   (pooled over points, seed-cluster bootstrap), and the rules' difference A − B (pooled, seed-
+   cluster bootstrap; and per point, paired bootstrap with a sign test). Every rule is scored on
+   the top-K KL on both sides: the loop cannot measure the full KL (the engine returns μ's top-K).
+
+The verdict of a side ("which rule keeps fewer divergence-growing tokens, by how much") is drawn
+only with SPEC §6's minimum — at least ``MIN_POINTS`` audit points (seeds) with kept
+disagreement tokens for both rules and ``MIN_TOKENS`` pooled for each — else it is
+"insufficient data". The toy's verdict *transfers* when both sides have a verdict, the point
+differences have the same sign and the two CIs overlap; "insufficient data" on either side is
+reported as such, never as agreement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pdm_lab.audit import compare_paired, mean_ci, pooled_diff_ci, verdict
+
+MIN_POINTS = 10
+"""audit points (seeds) that gave kept disagreement tokens to both rules (SPEC §6)."""
+MIN_TOKENS = 30
+"""kept disagreement tokens pooled for each rule (SPEC §6)."""
+DIVERGENCE = "topk_kl"
+MIN_SAMPLE_OUTSIDE = 10
+"""outside tokens the run's mismatch sample must hold to set the toy's target outside fraction."""
+
+
+def _nan(x):
+    return float("nan") if x is None else x
+
+
+def read_audit_lines(run_dir: Path) -> list[dict]:
+    """The run's audited steps (the last line of each step: a step redone after a resume is appended again)."""
+    path = Path(run_dir) / "audit.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no audit lines (train with audit.every=N)")
+    by_step: dict[int, dict] = {}
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{i}: not JSON ({err})") from None
+        by_step[int(rec["step"])] = rec
+    if not by_step:
+        raise ValueError(f"{path}: empty")
+    lines = [by_step[s] for s in sorted(by_step)]
+    first = lines[0]
+    for rec in lines[1:]:
+        for key in ("rules", "delta", "k"):
+            if rec[key] != first[key]:
+                raise ValueError(f"{path}: step {rec['step']} has {key}={rec[key]!r}, step {first['step']} "
+                                 f"{first[key]!r}; audit one setting per run")
+    return lines
+
+
+def _entry(rates: dict | None) -> dict:
+    """A ``delta_rates`` entry with null rates back to NaN (a missing table: nothing counted)."""
+    if rates is None:
+        return {"unsafe_keep": math.nan, "shrink": math.nan, "flat": math.nan, "count": 0, "grew": 0,
+                "shrank": 0, "flat_count": 0}
+    return {k: _nan(v) for k, v in rates.items()}
+
+
+def loop_points(lines: list[dict], a: str, b: str) -> list[dict]:
+    """Per audited step: outside and disagreement fractions and each rule's rates (pair A|B)."""
+    out = []
+    for rec in lines:
+        pair = rec["pairs"][f"{a}|{b}"]
+        considered = rec["tokens"] - rec["zero_advantage"]
+        out.append({"point": rec["step"], "outside_fraction": rec["outside"] / considered if considered else math.nan,
+                    "disagreement_fraction": pair["disagreement"] / rec["outside"] if rec["outside"] else math.nan,
+                    "outside": rec["outside"], "disagreement": pair["disagreement"],
+                    a: _entry(pair[a][DIVERGENCE]), b: _entry(pair[b][DIVERGENCE])})
+    return out
+
+
+def toy_points(doc: dict, a: str, b: str) -> list[dict]:
+    """The same per-seed quantities from a toy ``audit.json`` document (its main study)."""
+    ctx = doc.get("main_contexts", "shared")
+    out = []
+    for seed in doc["per_seed"]:
+        pair = seed["contexts"][ctx]["pairs"][f"{a}|{b}"]
+        outside = seed["outside"]
+        out.append({"point": seed["seed"], "outside_fraction": seed["regime"]["outside_fraction"],
+                    "disagreement_fraction": pair["disagreement"] / outside if outside else math.nan,
+                    "outside": outside, "disagreement": pair["disagreement"],
+                    a: _entry(pair[a][DIVERGENCE]), b: _entry(pair[b][DIVERGENCE])})
+    return out
+
+
+def pooled_rate_ci(entries: list[dict], key: str, *, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Pooled rate (``grew`` or ``shrank`` over ``count``) with a seed-cluster bootstrap 95% CI."""
+    counts = torch.tensor([e["count"] for e in entries], dtype=torch.float64)
+    hits = torch.tensor([e[key] for e in entries], dtype=torch.float64)
+    total = float(counts.sum())
+    if total == 0:
+        return {"rate": math.nan, "ci_low": math.nan, "ci_high": math.nan, "tokens": 0}
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(entries), (n_boot, len(entries)), generator=gen)
+    c, h = counts[idx].sum(1), hits[idx].sum(1)
+    rates = (h / c)[c > 0]
+    lo, hi = torch.quantile(rates, torch.tensor([0.025, 0.975], dtype=torch.float64))
+    return {"rate": float(hits.sum()) / total, "ci_low": float(lo), "ci_high": float(hi), "tokens": int(total)}
+
+
+def sufficiency(points: list[dict], a: str, b: str) -> dict:
+    """SPEC §6's minimum for a verdict: points with kept tokens for both rules, tokens per rule."""
+    both = sum(1 for p in points if p[a]["count"] > 0 and p[b]["count"] > 0)
+    tokens = {a: sum(p[a]["count"] for p in points), b: sum(p[b]["count"] for p in points)}
+    ok = both >= MIN_POINTS and min(tokens.values()) >= MIN_TOKENS
+    return {"points_with_both": both, "tokens": tokens, "sufficient": ok,
+            "minimum": {"points_with_both": MIN_POINTS, "tokens_each": MIN_TOKENS}}
+
+
+def side_summary(points: list[dict], a: str, b: str, *, n_boot: int = 2000) -> dict:
+    """One side's column of the table (module docstring, step 4)."""
+    def ci(values):
+        m, lo, hi = mean_ci(values, n_boot=n_boot)
+        return {"mean": m, "ci_low": lo, "ci_high": hi}
+
+    out = {"points": len(points), "outside_fraction": ci([p["outside_fraction"] for p in points]),
+           "disagreement_fraction": ci([p["disagreement_fraction"] for p in points]),
+           "outside_tokens": sum(p["outside"] for p in points),
+           "disagreement_tokens": sum(p["disagreement"] for p in points)}
+    for rule in (a, b):
+        entries = [p[rule] for p in points]
+        out[rule] = {"unsafe_keep": pooled_rate_ci(entries, "grew", n_boot=n_boot),
+                     "shrink": pooled_rate_ci(entries, "shrank", n_boot=n_boot)}
+    out["diff_pooled"] = pooled_diff_ci([p[a] for p in points], [p[b] for p in points], n_boot=n_boot)
+    out["diff_paired"] = compare_paired([p[a]["unsafe_keep"] for p in points], [p[b]["unsafe_keep"] for p in points],
+                                        n_boot=n_boot)
+    out["sufficiency"] = sufficiency(points, a, b)
+    d = out["diff_pooled"]
+    if not out["sufficiency"]["sufficient"]:
+        out["verdict"] = "insufficient data"
+    else:
+        out["verdict"] = verdict(d, a, b)
+    out["fewer_unsafe"] = (None if math.isnan(d["mean_diff"]) or d["mean_diff"] == 0
+                           else (b if d["mean_diff"] > 0 else a))
+    return out
+
+
+def transfer_verdict(toy: dict, loop: dict) -> str:
+    """``transfers`` / ``does not transfer`` / ``insufficient data (…)`` (module docstring)."""
+    missing = [name for name, side in (("toy", toy), ("loop", loop)) if not side["sufficiency"]["sufficient"]]
+    if missing:
+        return f"insufficient data ({' and '.join(missing)})"
+    dt, dl = toy["diff_pooled"], loop["diff_pooled"]
+    same_sign = math.copysign(1, dt["mean_diff"]) == math.copysign(1, dl["mean_diff"])
+    overlap = dt["ci_low"] <= dl["ci_high"] and dl["ci_low"] <= dt["ci_high"]
+    return "transfers" if same_sign and overlap else "does not transfer"
+
+
+def _fmt_ci(x: dict, value: str = "mean", pct: bool = True) -> str:
+    v = x[value]
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    s = 100.0 if pct else 1.0
+    unit = "%" if pct else ""
+    return f"{s * v:.3g}{unit} [{s * x['ci_low']:.3g}, {s * x['ci_high']:.3g}]"
+
+
+def markdown(doc: dict) -> str:
+    a, b = doc["rules"][:2]
+    toy, loop = doc["toy"], doc["loop"]
+    rows = [("audit points (loop: audited steps; toy: seeds)", str(toy["points"]), str(loop["points"])),
+            ("outside fraction (D > δ among Â ≠ 0)", _fmt_ci(toy["outside_fraction"]), _fmt_ci(loop["outside_fraction"])),
+            (f"disagreement fraction of outside ({a} vs {b})", _fmt_ci(toy["disagreement_fraction"]),
+             _fmt_ci(loop["disagreement_fraction"])),
+            ("outside / disagreement tokens", f"{toy['outside_tokens']} / {toy['disagreement_tokens']}",
+             f"{loop['outside_tokens']} / {loop['disagreement_tokens']}")]
+    for rule in (a, b):
+        for key in ("unsafe_keep", "shrink"):
+            rows.append((f"{rule} {key.replace('_', '-')} (kept tokens)",
+                         _fmt_ci(toy[rule][key], "rate") + f" ({toy[rule][key]['tokens']})",
+                         _fmt_ci(loop[rule][key], "rate") + f" ({loop[rule][key]['tokens']})"))
+    rows.append((f"unsafe-keep {a} − {b}, pooled (seed-cluster CI)", _fmt_ci(toy["diff_pooled"], "mean_diff"),
+                 _fmt_ci(loop["diff_pooled"], "mean_diff")))
+    rows.append((f"unsafe-keep {a} − {b}, per point (paired CI; sign test p)",
+                 _fmt_ci(toy["diff_paired"], "mean_diff") + f"; p = {toy['diff_paired']['sign_test_p']:.3g}",
+                 _fmt_ci(loop["diff_paired"], "mean_diff") + f"; p = {loop['diff_paired']['sign_test_p']:.3g}"))
+    rows.append(("points with kept tokens for both / tokens each",
+                 f"{toy['sufficiency']['points_with_both']} / {toy['sufficiency']['tokens'][a]}, {toy['sufficiency']['tokens'][b]}",
+                 f"{loop['sufficiency']['points_with_both']} / {loop['sufficiency']['tokens'][a]}, {loop['sufficiency']['tokens'][b]}"))
+    rows.append(("verdict", toy["verdict"], loop["verdict"]))
+    lines = [f"# Transfer: toy audit vs the loop's own audit ({doc['run_dir_name']})", "",
+             f"Rules A = `{a}`, B = `{b}`; δ = {doc['delta']}, K = {doc['k']}; ΔD of the top-K KL on both sides; "
+             f"tolerance: loop {doc['loop_tolerance']}, toy {doc['toy_tolerance']}.",
+             f"Toy: preset `{doc['preset']}` at mismatch `{doc['toy_mismatch']}` (calibrated to the run's outside "
+             f"fraction {100 * doc['target_outside_fraction']:.3g}%, from {doc['target_source']}).", "",
+             "| quantity | toy (calibrated) | loop |", "| --- | --- | --- |"]
+    lines += [f"| {q} | {t} | {l} |" for q, t, l in rows]
+    for name, reg in (("run (mismatch sample)", doc.get("run_regime")), ("toy (pooled seeds)", doc.get("toy_regime"))):
+        if reg:
+            q = reg["d_quantiles"]
+            lines.append(f"Regime, {name}: D p50 {q['p50']:.3g}, p99 {q['p99']:.3g}, p99.9 {q['p999']:.3g}, "
+                         f"max {q['max']:.3g}; tail ratio p99.9/p50 {reg['tail_ratio']:.3g}; outside "
+                         f"{100 * _nan(reg['outside_fraction']):.3g}%.")
+    lines += ["", f"**Does the toy's verdict transfer? {doc['transfer']}.**",
+              f"Minimum for a verdict (SPEC §6): {MIN_POINTS} points with kept disagreement tokens for both rules, "
+              f"{MIN_TOKENS} tokens pooled for each.", ""]
+    return "\n".join(lines)
+
+
+def run_transfer(run_dir: Path, out: Path, *, preset_name: str = "paper", seeds: int | None = None,
+                 mismatch: str | None = None, overrides: list[str] = (), n_boot: int = 2000, log=print) -> dict:
+    """Steps 1–4 of the module docstring; writes ``transfer.json`` and ``transfer.md`` into ``out``."""
+    from pdm_lab.config import apply_overrides, from_dict, to_dict
+
+    from .audit import AuditConfig, run_audit
+    from .calibrate import run_table, search_strength
+    from .presets import AUDIT_PRESETS, preset
+
+    start = time.perf_counter()
+    run_dir = Path(run_dir)
+    lines = read_audit_lines(run_dir)
+    rules, delta, k = lines[0]["rules"], float(lines[0]["delta"]), int(lines[0]["k"])
+    a, b = rules[0], rules[1]
+    run_regime = run_table(run_dir, delta)
+    outside = sum(r["outside"] for r in lines)
+    considered = sum(r["tokens"] - r["zero_advantage"] for r in lines)
+    audited = outside / considered if considered else 0.0
+    # the mismatch sample keeps one token in 64: with few outside tokens in it, the audited
+    # steps' own count (every token of those batches) estimates the fraction better
+    if run_regime["outside_tokens"] >= MIN_SAMPLE_OUTSIDE:
+        target, target_source = run_regime["outside_fraction"], "mismatch_sample.jsonl"
+    else:
+        target, target_source = audited, "audit.jsonl (the sample holds too few outside tokens)"
+    base = preset(AUDIT_PRESETS, preset_name)
+    doc = apply_overrides(to_dict(base), list(overrides))
+    doc.update(rules=[a, b], extra_rules=[r for r in rules[2:]], delta=delta, k=k, contexts=["shared"],
+               k_sweep=[], stress_mismatch="", n_boot=n_boot)
+    if seeds is not None:
+        doc["seeds"] = seeds
+    cfg: AuditConfig = from_dict(AuditConfig, doc)
+    if mismatch is None:
+        if target <= 0:
+            log("[transfer] the run has no outside tokens at this δ: the toy keeps the preset's mismatch")
+        else:
+            mismatch, _ = search_strength(cfg, target, seeds=2,
+                                          progress=lambda s, f: log(f"  {s}: outside {100 * f:.3f}%"))
+    if mismatch is not None:
+        cfg = replace(cfg, mismatch=mismatch)
+    log(f"[transfer] toy audit at {cfg.mismatch}, {cfg.seeds} seeds × {cfg.sequences} sequences")
+    toy_doc = run_audit(cfg)
+    toy = side_summary(toy_points(toy_doc, a, b), a, b, n_boot=n_boot)
+    loop = side_summary(loop_points(lines, a, b), a, b, n_boot=n_boot)
+    result = {"run_dir_name": run_dir.name, "rules": list(rules), "delta": delta, "k": k,
+              "preset": preset_name, "toy_mismatch": cfg.mismatch, "target_outside_fraction": target,
+              "target_source": target_source, "audited_outside_fraction": audited,
+              "run_regime": run_regime, "toy_regime": toy_doc.get("regime"),
+              "loop_tolerance": lines[0].get("tolerance"), "toy_tolerance": cfg.tolerance,
+              "toy_config": to_dict(cfg), "toy": toy, "loop": loop, "transfer": transfer_verdict(toy, loop),
+              "wall_s": time.perf_counter() - start}
+    out.mkdir(parents=True, exist_ok=True)
+    from pdm_lab.audit_live import json_safe
+
+    (out / "transfer.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    (out / "transfer.md").write_text(markdown(result), encoding="utf-8")
+    return result
+
+
+def add_parser(subparsers) -> None:
+    """The ``transfer`` subcommand (registered by ``envs.commands.register_transfer``)."""
+    from .presets import AUDIT_PRESETS
+
+    p = subparsers.add_parser(
+        "transfer", help="toy audit calibrated to a scaling run vs the run's own audit (SPEC §6c): does the verdict transfer?",
+        description="Reads RUN_DIR/audit.jsonl and RUN_DIR/mismatch_sample.jsonl, calibrates the toy to the run's "
+                    "outside fraction, runs the toy audit with the run's rules, δ and K, and writes transfer.json and "
+                    "transfer.md: outside and disagreement fractions, unsafe-keep and shrink per rule, A − B, with CIs, "
+                    "toy vs loop, and whether the toy's verdict holds.")
+    p.add_argument("run_dir", type=Path, help="a scaling run directory trained with audit.every=N")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS), help="toy setting (default: paper)")
+    p.add_argument("--seeds", type=int, help="toy seeds (default: the preset's)")
+    p.add_argument("--mismatch", help="use this toy mismatch instead of calibrating")
+    p.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value", help="toy AuditConfig overrides, e.g. sequences=256")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pdm_lab.config import ConfigError
+    from pdm_lab.errors import one_line
+
+    torch.set_num_threads(1)
+    try:
+        doc = run_transfer(args.run_dir, args.out, preset_name=args.preset, seeds=args.seeds, mismatch=args.mismatch,
+                           overrides=args.overrides, n_boot=args.n_boot)
+    except (FileNotFoundError, ValueError, ConfigError, KeyError) as err:
+        print(f"pdm-lab transfer: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    print(markdown(doc))
+    print(f"written to {args.out / 'transfer.json'} and {args.out / 'transfer.md'}")
+    return 0

@@ -1,0 +1,70 @@
+"""The direction audit inside ``PDMGRPOTrainer`` (SPEC §6c), HF-generate mode on the tiny Qwen3.
+
+* two TRL steps with ``audit=LiveAuditConfig(every=1, …)`` write ``output_dir/audit.jsonl`` in the
+  scaling loop's keys and put the per-rule rates into TRL's logs;
+* the audit leaves training untouched: the final weights equal a run without the audit bit for
+  bit; a planted bug (the optimiser state not restored) changes them.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdm_lab import MaskConfig
+from pdm_lab.audit_live import LiveAuditConfig
+
+from test_trl_trainer import K, _dataset, _reward, build_tiny
+
+RULES = ("dppo_topk_kl", "pdm_topk", "none")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("tiny-qwen3-audit"))
+
+
+def _train(tiny_dir, out, audit: LiveAuditConfig | None):
+    from trl import GRPOConfig
+
+    from pdm_lab.integrations.trl import PDMGRPOTrainer
+
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=10,
+                      max_steps=2, learning_rate=5e-2, beta=0.0, temperature=1.0, top_k=0, top_p=1.0, logging_steps=1,
+                      report_to=[], use_cpu=True, seed=0, save_strategy="no", bf16=False)
+    trainer = PDMGRPOTrainer(model=str(tiny_dir), reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                             mask=MaskConfig(rule="pdm_topk", delta=0.02, k=K), audit=audit)
+    trainer.train()
+    return trainer
+
+
+def test_audit_writes_audit_jsonl_and_logs_rates_without_changing_training(tiny_dir, tmp_path, monkeypatch):
+    audit = LiveAuditConfig(every=1, rules=RULES, delta=0.02)
+    plain = _train(tiny_dir, tmp_path / "plain", None)
+    audited = _train(tiny_dir, tmp_path / "audited", audit)
+
+    lines = [json.loads(x) for x in (tmp_path / "audited" / "audit.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    for r in lines:
+        assert r["rules"] == list(RULES) and r["delta"] == 0.02 and r["k"] == K
+        assert set(r["pairs"]) == {"dppo_topk_kl|pdm_topk", "dppo_topk_kl|none"}
+        assert r["outside"] > 0 and r["tokens"] > r["outside"]
+        for rule in ("dppo_topk_kl", "pdm_topk"):
+            rates = r["pairs"]["dppo_topk_kl|pdm_topk"][rule]["topk_kl"]
+            assert rates["count"] == rates["grew"] + rates["shrank"] + rates["flat_count"]
+        assert r["regime"]["outside_tokens"] == r["outside"]
+    logged = {k for entry in audited.state.log_history for k in entry}
+    assert "pdm/audit/outside" in logged and "pdm/time/audit_s" in logged
+    assert any(k.startswith("pdm/audit/dppo_topk_kl|pdm_topk/") and k.endswith("/kept") for k in logged)
+
+    # the audit restored parameters, AdamW's state and the RNG: training went on as without it
+    for (name, p), q in zip(plain.model.named_parameters(), audited.model.parameters()):
+        assert torch.equal(p, q), name
+
+    # the planted bug: AdamW's state not restored after the audited steps
+    from pdm_lab import audit_live
+
+    monkeypatch.setattr(audit_live, "restore_optimizer", lambda *args: None)
+    broken = _train(tiny_dir, tmp_path / "broken", audit)
+    assert not all(torch.equal(p, q) for p, q in zip(plain.model.parameters(), broken.model.parameters()))
