@@ -124,11 +124,19 @@ def register_calibrate(subparsers) -> None:
     add_parser(subparsers)
 
 
+def register_transfer(subparsers) -> None:
+    """``pdm-lab transfer``: the toy audit calibrated to a scaling run vs the run's own audit (SPEC §6c)."""
+    from .transfer import add_parser
+
+    add_parser(subparsers)
+
+
 def register(subparsers) -> None:
     """Every toy command (``python -m``-style use; ``pdm-lab`` finds them as entry points)."""
     register_audit(subparsers)
     register_sweep(subparsers)
     register_calibrate(subparsers)
+    register_transfer(subparsers)
 
 
 def audit_main(args: argparse.Namespace) -> int:
