@@ -44,7 +44,7 @@ class TokenBatch:
         tok = (rows[:, None] * horizon + torch.arange(horizon)).reshape(-1)
         support = dataclasses.replace(
             self.support, **{f.name: getattr(self.support, f.name)[tok]
-                             for f in dataclasses.fields(Support) if f.name != "vocab_size"})
+                             for f in dataclasses.fields(Support) if f.name not in ("vocab_size", "top_k")})
         return TokenBatch(obs=self.obs[tok], support=support, mu_full=self.mu_full[tok],
                           advantages=self.advantages[rows], response_mask=self.response_mask[rows])
 
@@ -52,7 +52,7 @@ class TokenBatch:
         """Token rows ``tokens`` ([M] int64) alone, as an [M, 1] batch (one token per sequence)."""
         support = dataclasses.replace(
             self.support, **{f.name: getattr(self.support, f.name)[tokens]
-                             for f in dataclasses.fields(Support) if f.name != "vocab_size"})
+                             for f in dataclasses.fields(Support) if f.name not in ("vocab_size", "top_k")})
         m = tokens.numel()
         return TokenBatch(obs=self.obs[tokens], support=support, mu_full=self.mu_full[tokens],
                           advantages=self.advantages.reshape(-1)[tokens].view(m, 1),

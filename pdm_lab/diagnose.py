@@ -11,12 +11,13 @@ import torch
 from torch import Tensor
 
 from .config import MaskConfig
-from .errors import check_same, check_tensor
+from .errors import check_logp, check_same, check_tensor
 from .masks import compute_mask, outside_region
 from .metrics import direction_disagreement, sign_certified
 from .policy_side import policy_on_support
 from .stats import token_stats
 from .support import support_from_full
+from .support_checks import check_full_mass
 
 DIAGNOSE_MASKS = ("dppo_topk_kl", "pdm_exact", "pdm_agg", "pdm_uniform", "pdm_topk")
 
@@ -28,7 +29,8 @@ def diagnose(mu_logp: Tensor, pi_logp: Tensor, sampled: Tensor, advantages: Tens
     """Per-token divergences, Ḋ estimates and masks from full μ and π.
 
     Args:
-        mu_logp, pi_logp: [N, n] full log-probabilities of μ and π.
+        mu_logp, pi_logp: [N, n] full log-probabilities of μ and π: each row a distribution,
+            its total mass 1 within ``support_checks.MASS_LOG_ATOL`` in log space.
         sampled: [N] int64 sampled ids k.
         advantages: [N] Â.
         k, delta, delta_neg, convention: K, δ, δ for Â < 0 (None: δ) and the support
@@ -40,13 +42,17 @@ def diagnose(mu_logp: Tensor, pi_logp: Tensor, sampled: Tensor, advantages: Tens
         ddot_exact, ddot_agg, ddot_uniform, ddot_topk, ddot_lower, ddot_upper, outside`` (bool,
         D > δ, δ_neg for Â < 0: ``pdm_lab.masks.outside_region``), ``dir_disagree_<estimator>``
         (bool, sign(r − 1) ≠ sign(Ḋ)), ``sign_certified`` (bool, the Ḋ bounds fix its sign) and masks
-        ``mask_<rule>`` (1.0 keep, 0.0 drop) for ``DIAGNOSE_MASKS``; ``support`` [N, m] int64
-        padded with −1.
+        ``mask_<rule>`` (1.0 keep, 0.0 drop) for ``DIAGNOSE_MASKS``; ``support`` [N, m] int32
+        (int64 past 2³¹ − 1 tokens: ``support.id_dtype``) padded with −1.
     """
+    check_tensor("mu_logp", mu_logp, ndim=2, floating=True)
     check_tensor("pi_logp", pi_logp, ndim=2, floating=True)
     check_same(("mu_logp", "pi_logp"), mu_logp, pi_logp, dtype=True)
     check_tensor("advantages", advantages, ndim=1, floating=True)
     check_same(("sampled", "advantages"), sampled, advantages)
+    for name, logp in (("mu_logp", mu_logp), ("pi_logp", pi_logp)):  # named as the caller knows them
+        check_logp(name, logp)
+        check_full_mass(name, logp)  # read as given below (full KL, exact Ḋ), never renormalised
     support = support_from_full(mu_logp, sampled, k=k, convention=convention)
     pi = policy_on_support(pi_logp, support.ids)
     stats = token_stats(support, pi, mu_full=mu_logp, pi_full=pi_logp)

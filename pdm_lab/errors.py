@@ -56,6 +56,20 @@ def check_same(names: tuple[str, str], a: Tensor, b: Tensor, *, dims: tuple[int,
         raise PDMInputError(f"{names[0]} has dtype {a.dtype} but {names[1]} has dtype {b.dtype}")
 
 
+def check_zero_one(name: str, x: Tensor) -> None:
+    """A mask given as numbers holds only 0 and 1 (bool always does): 0.5 is neither keep nor
+    drop, and NaN is no answer at all."""
+    if x.dtype == torch.bool or x.numel() == 0:
+        return
+    raise_at(name, (x != 0) & (x != 1), "not 0 or 1", x)  # NaN fails both compares
+
+
+def check_not_nan(name: str, x: Tensor) -> None:
+    """No NaN anywhere in `x` (±inf may be a true value; NaN never is)."""
+    if x.is_floating_point():
+        raise_at(name, torch.isnan(x), "NaN")
+
+
 def logp_tolerance(dtype: torch.dtype) -> float:
     """How far above 0 a log-probability (or log-mass) may round: a few ulps of the dtype."""
     return 64 * torch.finfo(dtype).eps

@@ -13,6 +13,7 @@ from .aggregation import DPInfo, aggregate
 from .fast.compiled import compile_default, maybe_compiled, one_thread
 from .config import MaskConfig
 from .errors import PDMInputError, check_same, check_tensor
+from .loss_checks import check_loss_inputs
 from .masks import compute_mask, get_mask_rule, outside_region
 from .metrics import MetricSums, finalize, step_metric_sums
 from .policy_side import PolicyOnSupport
@@ -79,6 +80,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
     """
     check_tensor("advantages", advantages, ndim=2, floating=True)
     check_same(("advantages", "response_mask"), advantages, response_mask)
+    check_loss_inputs(support, response_mask, cfg, coupled)
     n_tokens = advantages.numel()
     if support.ids.shape[0] != n_tokens:
         raise PDMInputError(f"support has {support.ids.shape[0]} rows but advantages {tuple(advantages.shape)} "

@@ -7,6 +7,8 @@ the naive equivalent (``log_softmax(logits / T).gather(...)``) that tests and th
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +16,9 @@ from torch import Tensor
 
 from .errors import PDMInputError, check_logp, check_same, check_tensor, raise_at
 from .fast.compiled import maybe_compiled
+from .fast.rowops import any_duplicate
 from .numerics import masked_logsumexp
+from .support_checks import outside, raise_duplicate_ids
 
 #: Elements of one float32 chunk of logits (4 MiB): a few such temporaries bound peak memory.
 CHUNK_ELEMENTS = 1 << 20
@@ -93,6 +97,7 @@ class _SupportLogProb(torch.autograd.Function):
             hi = min(lo + rows, n)
             logp[lo:hi], lse[lo:hi], tail[lo:hi], sumsq[lo:hi] = chunk_forward(
                 logits[lo:hi], ids[lo:hi].long(), temperature)  # int64 per chunk: no [N, m] copy
+        _check_normalisers(logits, lse, temperature)
         logp = logp.masked_fill(ids < 0, float("-inf"))
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature, ctx.rows, ctx.compiled = temperature, rows, compiled
@@ -113,16 +118,37 @@ class _SupportLogProb(torch.autograd.Function):
 
 
 def _check_inputs(logits: Tensor, support_ids: Tensor, temperature: float) -> None:
+    """Types, shapes, T and the support ids (range, no id twice in a row: one ``aminmax`` and the
+    pairwise compare of ``rowops.any_duplicate``, located only on failure). The logits' values
+    are checked from the pass's own log-normalisers (``_check_normalisers``): no extra [N, V] read."""
     check_tensor("logits", logits, ndim=2, floating=True)
     check_tensor("support_ids", support_ids, ndim=2, integer=True)
     check_same(("logits", "support_ids"), logits, support_ids, dims=(0,))
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise PDMInputError(f"temperature: must be a positive number, got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
+            or not (math.isfinite(temperature) and temperature > 0)):
+        raise PDMInputError(f"temperature: must be a finite number > 0, got {temperature!r}")
+    vocab = logits.shape[1]
+    with torch.no_grad():
+        if bool(outside(support_ids, -1, vocab) | any_duplicate(support_ids)):
+            raise_at("support_ids", (support_ids < -1) | (support_ids >= vocab),
+                     f"id out of range [0, {vocab}) (−1 pads)", support_ids)
+            raise_duplicate_ids("support_ids", support_ids)
+            raise AssertionError("support_ids were flagged bad but passed every check")
+
+
+def _check_normalisers(logits: Tensor, lse: Tensor, temperature: float) -> None:
+    """log Z = logsumexp(z / T) per row is finite iff the row is usable: NaN from a NaN logit,
+    +inf from a +inf logit (or z / T past the dtype), −inf from a row with no finite logit (π
+    undefined: every log π_i would be NaN). One [N] test; the rows are located only on failure."""
+    if lse.numel() == 0 or bool(torch.isfinite(lse).all()):
+        return
     with torch.no_grad():
         raise_at("logits", torch.isnan(logits), "NaN logit")
         raise_at("logits", logits == float("inf"), "+inf logit")
-        raise_at("support_ids", (support_ids < -1) | (support_ids >= logits.shape[1]),
-                 f"id out of range [0, {logits.shape[1]}) (−1 pads)", support_ids)
+        raise_at("logits", lse == float("-inf"), "row with every logit −inf (no probability to "
+                 "normalise; row index)")
+        raise_at("logits", ~torch.isfinite(lse), f"logits / temperature overflows {lse.dtype} "
+                 f"(temperature {temperature!r}; row index)")
 
 
 def policy_on_support(logits: Tensor, support_ids: Tensor, *, temperature: float = 1.0,
@@ -157,7 +183,9 @@ def policy_on_support_reference(logits: Tensor, support_ids: Tensor, *,
     """Naive reference: a full [N, V] log-softmax, then gathers. For tests and the bench."""
     _check_inputs(logits, support_ids, temperature)
     ids = support_ids.long()
-    lp = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
+    z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    _check_normalisers(logits, torch.logsumexp(z.detach(), dim=-1), temperature)
+    lp = torch.log_softmax(z, dim=-1)
     logp = lp.gather(1, ids.clamp(min=0)).masked_fill(ids < 0, float("-inf"))
     outside = ~_in_support(ids, logits.shape[1])
     tail = masked_logsumexp(lp.detach(), outside)

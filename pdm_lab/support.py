@@ -44,6 +44,9 @@ class Support:
         mu_kth_logp: [N] log μ_(K), the K-th largest probability of μ (certified interval, §3).
         tail_count: [N] int64, t = n − |S|, the number of tokens in the tail.
         vocab_size: n.
+        top_k: K, how many of μ's top tokens the support was built from (``support_from_topk``,
+            ``support_from_full``; a loss checks its mask config's K against it), None where a
+            caller gave ready slots (``support_from_slots`` without ``top_k``).
     """
 
     ids: Tensor
@@ -53,6 +56,7 @@ class Support:
     mu_kth_logp: Tensor
     tail_count: Tensor
     vocab_size: int
+    top_k: int | None = None
 
     @property
     def valid(self) -> Tensor:
@@ -226,8 +230,8 @@ def _slots_math(ids: Tensor, mu_logp: Tensor, sampled: Tensor, mu_tail_logp: Ten
             "mu_tail_logp": tail, "mu_kth_logp": mu_kth_logp, "tail_count": tail_count, "flags": bad[None]}
 
 
-def _support(out: dict[str, Tensor], vocab_size: int) -> Support:
-    return Support(**{f: out[f] for f in _FIELDS}, vocab_size=vocab_size)
+def _support(out: dict[str, Tensor], vocab_size: int, top_k: int | None) -> Support:
+    return Support(**{f: out[f] for f in _FIELDS}, vocab_size=vocab_size, top_k=top_k)
 
 
 # --- the constructors ---------------------------------------------------------------------------
@@ -295,12 +299,12 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
                                    range_ids=top_ids[:, :k], sampled_logp=all_sampled_logp)
     if convention == "union" and min(k, topk_ids.shape[1]) > 0 and not extra_used:
         out.update({f: out[f][:, :-1] for f in ("ids", "mu_logp")})  # no row needs the extra slot
-    return _support(out, vocab_size)
+    return _support(out, vocab_size, k)
 
 
 def support_from_slots(ids: Tensor, mu_logp: Tensor, sampled: Tensor, *, vocab_size: int,
                        mu_tail_logp: Tensor | None = None, mu_kth_logp: Tensor | None = None,
-                       compiled: bool | None = None) -> Support:
+                       top_k: int | None = None, compiled: bool | None = None) -> Support:
     """Validate a ready support (rows of token ids, −1 padded) and complete it.
 
     Call it directly when the rollout side already made the support (a K-slot support from
@@ -313,17 +317,20 @@ def support_from_slots(ids: Tensor, mu_logp: Tensor, sampled: Tensor, *, vocab_s
         vocab_size: n.
         mu_tail_logp: [N] log μ_T if the full μ is known; else log1mexp of the head's log-mass.
         mu_kth_logp: [N] log μ_(K); default: the smallest head log-prob other than k's.
+        top_k: K, the top-K size the slots come from (recorded as ``Support.top_k``), if known.
         compiled: run the math and checks through ``torch.compile`` (a pass or two over [N, m]);
             default from ``PDM_LAB_COMPILE``; eager runs them by cache-sized row blocks. Tested
             equal.
     """
     checks.check_slots_args(ids, mu_logp, sampled, mu_tail_logp, vocab_size)
+    if top_k is not None:
+        checks.check_k(top_k)
     math = maybe_compiled(_slots_math, False if ids.shape[0] == 0 else compiled, row_blocks=True)
     out = math(ids, mu_logp, sampled, mu_tail_logp, mu_kth_logp, vocab_size)
     if bool(out.pop("flags")):
         checks.raise_support_error(ids, out["mu_logp"], sampled, vocab_size, out["tail_count"],
                                    mu_tail_logp=mu_tail_logp)
-    return _support(out, vocab_size)
+    return _support(out, vocab_size, top_k)
 
 
 def support_from_full(mu_logp_full: Tensor, sampled: Tensor, *, k: int,
@@ -354,7 +361,7 @@ def support_from_full(mu_logp_full: Tensor, sampled: Tensor, *, k: int,
     in_support.scatter_(1, torch.where(ids >= 0, ids, sampled[:, None]), True)
     tail = masked_logsumexp(mu_logp_full, ~in_support, dim=1)
     return support_from_slots(ids, logp, sampled, vocab_size=vocab, mu_tail_logp=tail,
-                              mu_kth_logp=top_logp[:, kk - 1], compiled=compiled)
+                              mu_kth_logp=top_logp[:, kk - 1], top_k=k, compiled=compiled)
 
 
 __all__ = ["CONVENTIONS", "Support", "attach_sampled", "id_dtype", "support_from_full",

@@ -23,6 +23,11 @@ _NEG_INF = float("-inf")
 #: that rounds one of them to bf16 (8 mantissa bits), tight enough to catch misaligned arrays.
 SAMPLED_LOGP_ATOL, SAMPLED_LOGP_RTOL = 1e-3, 1e-2
 
+#: How far a full distribution's total log-mass log Σ_i p_i may sit from 0 (plus a few ulps):
+#: ±0.1% of the mass, loose for a float32 log-softmax over any vocabulary, tight enough that a
+#: row that is not a distribution (total mass e⁻⁵, say) is refused, not read as a tiny μ.
+MASS_LOG_ATOL = 1e-3
+
 
 # --- arguments at the public boundary ------------------------------------------------------
 
@@ -53,6 +58,10 @@ def check_topk_args(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, sample
     check_same(("sampled", "sampled_logp"), sampled, sampled_logp)
     check_k(k)
     check_vocab(vocab_size)
+    given = topk_ids.shape[1]
+    if k > given and given < vocab_size:  # K ≥ n with every token given is the empty tail
+        raise PDMInputError(f"k: K = {k} exceeds the {given} top-K columns given (topk_ids has shape "
+                            f"{tuple(topk_ids.shape)}); pass k ≤ {given}")
     if row_mask is not None:
         check_same(("row_mask", "sampled"), row_mask, sampled)
 
@@ -83,9 +92,16 @@ def check_full_args(mu_logp_full: Tensor, sampled: Tensor, k: int, convention: s
         raise PDMInputError("mu_logp_full: the vocabulary is empty (shape "
                             f"{tuple(mu_logp_full.shape)})")
     raise_at("sampled", (sampled < 0) | (sampled >= vocab), f"id out of range [0, {vocab})", sampled)
-    total = torch.logsumexp(mu_logp_full, dim=1)
-    raise_at("mu_logp_full", total > 1e-3 + logp_tolerance(mu_logp_full.dtype),
-             "total probability above 1 (log-mass shown)", total)
+    check_full_mass("mu_logp_full", mu_logp_full)
+
+
+def check_full_mass(name: str, logp_full: Tensor) -> None:
+    """Each row of [N, n] log-probabilities is a distribution: |log Σ_i p_i| ≤ ``MASS_LOG_ATOL``
+    (one log-sum-exp per row; NaN is `check_logp`'s to name first)."""
+    total = torch.logsumexp(logp_full, dim=1)
+    tol = MASS_LOG_ATOL + logp_tolerance(logp_full.dtype)
+    raise_at(name, ~(total.abs() <= tol), f"total probability is not 1 within {MASS_LOG_ATOL:g} in log "
+             "space (row index; log-mass shown)", total)
 
 
 # --- flags: pure, computed in the constructors' pass -----------------------------------------
@@ -154,6 +170,19 @@ def support_flag(ids: Tensor, sampled: Tensor, vocab_size: int, *, duplicate: Te
 
 # --- the failing path: eager, in order, naming the first offending entry --------------------
 
+def raise_duplicate_ids(name: str, ids: Tensor) -> None:
+    """Raise if a row of [N, m] ids (negative: padding) holds a real id twice, naming the first
+    such row and id."""
+    if ids.shape[1] < 2:
+        return
+    srt = torch.sort(ids.long(), dim=1).values
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    if bool(dup.any()):
+        row, col = (int(i) for i in torch.nonzero(dup)[0])
+        raise PDMInputError(f"{name}: duplicate token id {int(srt[row, col + 1])} in row {row}; "
+                            f"{int(dup.any(dim=1).sum())} rows affected")
+
+
 def raise_engine_logp_error(topk_logp: Tensor, sampled_logp: Tensor) -> None:
     """The engine's log-probs (padding already −inf) when `logp_flag` fired on one of them."""
     check_logp("topk_logp", topk_logp)
@@ -172,13 +201,7 @@ def raise_support_error(ids: Tensor, mu_logp: Tensor, sampled: Tensor, vocab_siz
     raise_at("support ids", (range_ids < -1) | (range_ids >= vocab_size),
              f"id out of range [0, {vocab_size}) (−1 pads)", range_ids)
     raise_at("sampled", (sampled < 0) | (sampled >= vocab_size), f"id out of range [0, {vocab_size})", sampled)
-    if ids.shape[1] > 1:
-        srt = torch.sort(ids.long(), dim=1).values
-        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-        if bool(dup.any()):
-            row, col = (int(i) for i in torch.nonzero(dup)[0])
-            raise PDMInputError(f"support ids: duplicate token id {int(srt[row, col + 1])} in row "
-                                f"{row}; {int(dup.any(dim=1).sum())} rows affected")
+    raise_duplicate_ids("support ids", ids)
     has_k, k_index = first_true(ids == sampled[:, None])
     raise_at("support ids", ~has_k, "sampled token missing from the support (row index)")
     check_logp("mu_logp", mu_logp)
