@@ -40,14 +40,14 @@ from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import (MEASURED_DIVERGENCES, compare_paired, delta_rates, pooled_diff_ci,
                            predicted_divergence, rate_summary, regime_table, verdict)
 from pdm_lab.config import MaskConfig, to_dict
-from pdm_lab.config import at_least, config_dataclass, non_negative, positive  # field checks
+from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, non_negative, one_of, positive  # field checks
 from pdm_lab.masks import get_mask_rule
 
 from .mismatch import Mismatch
-from .policies import make_policy
+from .policies import POLICY_KINDS, make_policy
 from .problems import ProblemConfig, make_problem
 from .rollout import RolloutRNG
-from .train import TrainConfig, make_optimizer
+from .train import OPTIMIZERS, TrainConfig, make_optimizer
 from pdm_lab.masks import outside_region
 from .update import TokenBatch, current_stats, masked_loss, token_batch
 
@@ -70,8 +70,8 @@ class AuditConfig:
     """the compared pair (A, B): A is the reference every other rule is also paired with."""
     extra_rules: tuple[str, ...] = ("pdm_uniform", "pdm_agg", "pdm_exact")
     """further rules, each audited against rules[0] (their own disagreement sets)."""
-    seeds: Annotated[int, at_least(1)] = 61
-    """seeds, each with a fresh batch (paper: 61)."""
+    seeds: Annotated[int, in_range(1, 100_000)] = 61
+    """seeds, each with a fresh batch (paper: 61; beyond 10⁵ is a typo)."""
     first_seed: Annotated[int, at_least(0)] = 0
     """seeds are first_seed, first_seed + 1, …"""
     sequences: Annotated[int, at_least(1)] = 1024
@@ -81,7 +81,7 @@ class AuditConfig:
     delta: Annotated[float, non_negative] = 0.15
     """δ (paper: 0.15)."""
     k: Annotated[int, at_least(1)] = 20
-    """K (paper: 20)."""
+    """K (paper: 20), at most the problem's vocabulary n."""
     convention: str = "union"
     """support convention."""
     mismatch: str = "noise:1"
@@ -120,8 +120,13 @@ class AuditConfig:
             raise ValueError(f"sequences ({self.sequences}) must be a multiple of group_size ({self.group_size})")
         if not self.contexts or any(c not in CONTEXTS for c in self.contexts):
             raise ValueError(f"contexts: each of {', '.join(CONTEXTS)}, got {list(self.contexts)}")
-        if self.lr <= 0 or self.tolerance < 0:
-            raise ValueError(f"lr must be > 0 and tolerance ≥ 0, got {self.lr}, {self.tolerance}")
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("policy", self.policy, POLICY_KINDS)
+        vocab = self.problem.vocab_size
+        for name, ks in (("k", (self.k,)), ("k_sweep", self.k_sweep)):
+            if ks and max(ks) > vocab:
+                raise ConfigError(f"{name}: K = {max(ks)} exceeds the vocabulary (problem.{self.problem.kind}"
+                                  f".vocab_size = {vocab})")
 
     def mask(self, rule: str, k: int | None = None) -> MaskConfig:
         return MaskConfig(rule=rule, delta=self.delta, k=self.k if k is None else k,

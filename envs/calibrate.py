@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from pdm_lab.audit import regime_table
-from pdm_lab.runtime.cli import int_at_least
+from pdm_lab.config import ConfigError, in_range
+from pdm_lab.runtime.cli import int_at_least, integer, number
 
 from .audit import AuditConfig, _regime_inputs, _table, audit_batch, float64_tokens
 from .mismatch import Mismatch, MismatchSource
@@ -61,9 +62,7 @@ def run_table(path: Path, delta: float = 0.15) -> dict:
         path = path / "mismatch_sample.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no per-token mismatch sample (the scaling loop writes it)")
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"{path}: the mismatch sample is empty")
+    rows = read_sample(path)
     d = torch.tensor([r["d"] for r in rows], dtype=torch.float64)
     adv = torch.tensor([r.get("adv", 1.0) for r in rows], dtype=torch.float64)
     mu_tail = torch.tensor([r["mu_tail"] for r in rows], dtype=torch.float64)
@@ -71,6 +70,32 @@ def run_table(path: Path, delta: float = 0.15) -> dict:
     table = regime_table(d, (d > delta) & considered, considered, topk_mass=1.0 - mu_tail)
     table.update(source="scaling run", path=path.name, delta=delta)
     return table
+
+
+def read_sample(path: Path) -> list[dict]:
+    """The rows of a ``mismatch_sample.jsonl``; a row that is not JSON, lacks ``d`` or
+    ``mu_tail``, or holds a non-finite number is a ``ConfigError`` naming the file and line."""
+    rows = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{line_no}: not a JSON row ({err.msg} at column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+        missing = [key for key in ("d", "mu_tail") if key not in row]
+        if missing:
+            raise ConfigError(f"{path}:{line_no}: no {missing[0]!r} (each row holds D and μ_T of a token)")
+        for key in ("d", "mu_tail", "adv"):
+            value = row.get(key, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{path}:{line_no}: {key} = {value!r} is not a finite number")
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"{path}: the mismatch sample is empty")
+    return rows
 
 
 def with_strength(spec: str, strength: float) -> str:
@@ -155,9 +180,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--mismatch", help=f"μ's mismatch (kinds: {', '.join(MISMATCH_KINDS)}; named stress settings: "
                                       f"{', '.join(STRESS_MISMATCHES)})")
     p.add_argument("--seeds", type=int_at_least(1), default=4, help="fresh batches (default 4)")
-    p.add_argument("--sequences", type=int_at_least(1), help="sequences per batch")
-    p.add_argument("--delta", type=float, help="δ (default: the preset's)")
-    p.add_argument("--target", type=float, help="search the strength for this outside fraction (e.g. 0.002)")
+    p.add_argument("--sequences", type=integer(field=(AuditConfig, "sequences")), help="sequences per batch")
+    p.add_argument("--delta", type=number(field=(AuditConfig, "delta")), help="δ (default: the preset's)")
+    p.add_argument("--target", type=number(in_range(0.0, 1.0, low_open=True, high_open=True)),
+                   help="search the strength for this outside fraction (e.g. 0.002)")
     p.add_argument("--from-run", type=Path, help="a scaling run folder (its mismatch_sample.jsonl)")
     p.add_argument("--out", type=Path, default=Path("runs/calibrate"), help="output folder")
     p.set_defaults(func=main)
@@ -176,8 +202,8 @@ def main(args) -> int:
                    "delta": args.delta}
         try:
             cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
-        except ValueError as err:
-            raise SystemExit(f"pdm-lab calibrate: error: {err}") from None
+        except ValueError as err:  # the audit config's own checks: bad input, exit status 2
+            raise ConfigError(str(err)) from None
         if args.target is not None:
             spec, table = search_strength(cfg, args.target, seeds=max(1, min(args.seeds, 2)),
                                           progress=lambda s, f: print(f"  {s}: outside {100 * f:.3f}%"))

@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pdm_lab.runtime.cli import int_at_least
-from pdm_lab.config import ConfigError, apply_overrides, from_dict, to_dict
+from pdm_lab.runtime.cli import int_at_least, integer
+from pdm_lab.config import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
 
 OVERRIDES_HELP = "key.path=value overrides of the config's fields (YAML values: rules=[a,b] base.steps=3)"
 
@@ -28,24 +28,20 @@ def _add_config_arguments(p: argparse.ArgumentParser, presets: dict, default: st
                    help=f"starting configuration (default: {default})")
     p.add_argument("--config", type=Path, help=f"YAML file with {what} fields, laid over the preset")
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default: runs/{p.prog.split()[-1]}-<preset>)")
-    p.add_argument("--seeds", type=int_at_least(1), help="seeds (same as seeds=N)")
+    config_class = type(next(iter(presets.values())))
+    p.add_argument("--seeds", type=integer(field=(config_class, "seeds")), help="seeds (same as seeds=N)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help=OVERRIDES_HELP)
 
 
 def build_config(presets: dict, args: argparse.Namespace):
     """preset → ``--config`` YAML → ``key.path=value`` overrides → ``--seeds``, validated once."""
-    import yaml
-
     from .presets import preset
 
     base = preset(presets, args.preset)
     doc = to_dict(base)
     if args.config is not None:
-        try:  # a YAML error then names the file, line and column
-            layer = yaml.safe_load(args.config.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{args.config}: {err}") from None
+        layer = read_yaml(args.config) or {}  # its errors name the file and line
         if not isinstance(layer, dict):
             raise ConfigError(f"{args.config}: expected a mapping at the top level")
         doc = _deep_update(doc, layer)
@@ -68,7 +64,7 @@ def _config_or_exit(presets: dict, args: argparse.Namespace, command: str):
     """Build a config; a bad key or value prints one line and exits with status 2."""
     try:
         return build_config(presets, args)
-    except (ConfigError, ValueError, OSError) as err:
+    except (ConfigError, OSError) as err:
         from pdm_lab.errors import one_line
 
         print(f"pdm-lab {command}: error: {one_line(err)}", file=sys.stderr)
@@ -173,8 +169,9 @@ def sweep_main(args: argparse.Namespace) -> int:
     try:
         status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet,
                               force=args.force)
-    except ResultsError as err:
-        raise SystemExit(f"pdm-lab sweep: error: {err}") from None
+    except ResultsError as err:  # a results folder that cannot be used: bad input, exit status 2
+        print(f"pdm-lab sweep: error: {err}", file=sys.stderr)
+        return 2
     print(f"{status['ran']} runs now, {status['skipped']} reused, {status['runs']}/{status['total']} done "
           f"in {status['wall_s']:.1f} s")
     print(f"report: {status['report']}")

@@ -18,7 +18,7 @@ from typing import Annotated
 import torch
 from torch import Tensor
 
-from pdm_lab.config import at_least, config_dataclass, one_of, positive  # field checks
+from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, one_of, positive  # field checks
 
 from .bandit import BanditConfig, SoftmaxBandit
 from .encoders import AutomatonEncoder, BanditEncoder, context_hash
@@ -26,7 +26,7 @@ from .mismatch import Mismatch
 from .prior import zipf_logits
 from .rollout import RolloutBatch, RolloutRNG
 from .sampling import UniformPool, sample_from_cdf, sample_from_logits
-from .tasks import EOS, make_task
+from .tasks import EOS, TASKS, make_task
 from .token_mdp_vector import TokenMDPVectorEnv
 
 PROBLEM_KINDS = ("bandit", "token_mdp")
@@ -42,13 +42,13 @@ class TokenMDPConfig:
     """n."""
     max_len: Annotated[int, at_least(1)] = 6
     """L, the response budget (EOS included)."""
-    modulus: int = 8
-    """``sum``: the modulus m (prompts are targets in [0, m))."""
-    grammar_states: int = 4
+    modulus: Annotated[int, at_least(1)] = 8
+    """``sum``: the modulus m (prompts are targets in [0, m)); below n."""
+    grammar_states: Annotated[int, at_least(1)] = 4
     """``grammar``: DFA states Q (also the prompt count)."""
-    grammar_classes: int = 4
+    grammar_classes: Annotated[int, at_least(1)] = 4
     """``grammar``: token classes C."""
-    min_len: int = 3
+    min_len: Annotated[int, at_least(0)] = 3
     """``grammar``: shortest accepted answer."""
     task_seed: int = 0
     """``grammar``: seed of the hidden DFA."""
@@ -56,12 +56,12 @@ class TokenMDPConfig:
     """``sum``: prompt tokens per target (m·p prompts): distinct contexts for one instance."""
     temperature: Annotated[float, positive] = 1.0
     """Zipf temperature τ of the prior logits (tail mass; τ ≈ 0.3 puts ≥ 99% on the top 20)."""
-    temperature_spread: Annotated[float, positive] = 1.0
+    temperature_spread: Annotated[float, at_least(1.0)] = 1.0
     """per-row τ drawn log-uniformly in [τ/spread, τ·spread]: an entropy profile (1 = all equal)."""
     prior_rows: Annotated[int, at_least(0)] = 0
     """0: one prior row per automaton state; R > 0: the row is a hash of the whole context
     (prompt and prefix) mod R, so the pretrained distribution depends on the prefix as an LLM's."""
-    eos_top_fraction: float = 1.0
+    eos_top_fraction: Annotated[float, in_range(0.0, 1.0)] = 1.0
     """fraction of prior rows whose favourite token is EOS (the rest rank it at random)."""
     logit_offset: float = 0.0
     """LLM-like logit level: row r is shifted by offset·(0.5 + u_r); softmax-invariant, but a
@@ -70,10 +70,13 @@ class TokenMDPConfig:
     """seed of the prior's permutations."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.eos_top_fraction <= 1.0:
-            raise ValueError(f"eos_top_fraction: must be in [0, 1], got {self.eos_top_fraction}")
-        if self.temperature <= 0 or self.temperature_spread < 1 or self.prior_rows < 0:
-            raise ValueError("temperature must be > 0, temperature_spread ≥ 1, prior_rows ≥ 0")
+        one_of("problem.token_mdp.task", self.task, TASKS)
+        if self.task == "sum" and self.modulus >= self.vocab_size:
+            raise ConfigError(f"problem.token_mdp.modulus: must be < vocab_size ({self.vocab_size}), "
+                              f"got {self.modulus}")
+        if self.task == "sum" and self.max_len < 2:
+            raise ConfigError(f"problem.token_mdp.max_len: must be ≥ 2 for the sum task (an answer "
+                              f"token and EOS), got {self.max_len}")
 
     def task_kwargs(self) -> dict:
         if self.task == "sum":
@@ -95,6 +98,11 @@ class ProblemConfig:
 
     def __post_init__(self) -> None:
         one_of("problem.kind", self.kind, PROBLEM_KINDS)
+
+    @property
+    def vocab_size(self) -> int:
+        """n of the chosen problem (K ≤ n)."""
+        return self.bandit.vocab_size if self.kind == "bandit" else self.token_mdp.vocab_size
 
 
 def _groups(num_groups: int, group_size: int) -> Tensor:

@@ -102,15 +102,27 @@ def one_line(err: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def exit_code(err: BaseException) -> int:
-    """2 for bad input (a config, a file, a flag, a plugin, a locked directory), 1 otherwise."""
-    input_errors: tuple[type, ...] = (ValueError, OSError, ImportError, KeyError, EOFError)
-    try:
-        import yaml
+#: Exit status of an internal error (sysexits.h's EX_SOFTWARE): a pdm_lab bug, told apart from
+#: bad input (2) so that a bug never reads as the user's mistake.
+INTERNAL_ERROR = 70
 
-        input_errors += (yaml.YAMLError,)
-    except ImportError:  # pragma: no cover - yaml is a dependency
-        pass
+
+def is_input_error(err: BaseException) -> bool:
+    """Whether `err` is about what the user gave or has (exit status 2): a config or option value
+    (``ConfigError``), a YAML file, a results folder, a locked directory, a plugin, a file or
+    directory (``OSError``), a module that is not installed. Anything else, a plain ``ValueError``
+    or ``KeyError`` from deep inside included, is an internal error."""
+    import yaml
+
+    from .config import ConfigError
     from .runtime.locking import LockHeldError
+    from .runtime.plugins import PluginError
+    from .runtime.results import ResultsError
 
-    return 2 if isinstance(err, (*input_errors, LockHeldError)) else 1
+    return isinstance(err, (ConfigError, ResultsError, LockHeldError, PluginError, yaml.YAMLError, OSError,
+                            ImportError))
+
+
+def exit_code(err: BaseException) -> int:
+    """2 for bad input (``is_input_error``), ``INTERNAL_ERROR`` otherwise."""
+    return 2 if is_input_error(err) else INTERNAL_ERROR

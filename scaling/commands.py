@@ -11,12 +11,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from pdm_lab.config import ConfigError
+from pdm_lab.config import ConfigError, at_least, non_negative
+from pdm_lab.runtime.cli import integer, number
 
 
 def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
+    """One line on stderr, exit status 2 (bad input)."""
+    from pdm_lab.errors import one_line
+
+    print(f"error: {one_line(ValueError(msg))}", file=sys.stderr)
     return 2
+
+
+def _naming(path, err: BaseException) -> str:
+    """`err`'s message, prefixed by `path` unless it already names it."""
+    return str(err) if str(path) in str(err) else f"{path}: {err}"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -27,22 +36,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as err:
-        return _fail(f"{args.config}: {err}")
+        return _fail(_naming(args.config, err))
     if args.dry_run:
-        from .dryrun import DryRunError, dry_run, format_report
+        from .dryrun import dry_run, format_report
 
         try:
-            report = dry_run(cfg)
-        except (DryRunError, DataError, ModelPathError, ValueError) as err:
+            report = dry_run(cfg, nproc=args.nproc)
+        except (ConfigError, DataError, ModelPathError) as err:
             return _fail(f"dry run of {args.config} failed: {err}")
         print(format_report(report), end="")
         print(f"[dry-run] {args.config}: ok")
         return 0
+    from .checkpoint import CheckpointError
     from .launch import launch
 
     try:
         return launch(cfg, nproc=args.nproc)
-    except (DataError, ModelPathError) as err:
+    except (DataError, ModelPathError, CheckpointError) as err:  # the user's files, not a bug
         return _fail(str(err))
 
 
@@ -64,7 +74,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
             from .config import load_config
             path = write_launch_file(args.target, load_config(run_config), out)
             print(f"[promote] {args.target} launch file → {path}")
-    except (ResultsError, ConfigError, OSError, ValueError) as err:
+    except (ResultsError, ConfigError, OSError) as err:  # anything else is a bug: the CLI reports it
         return _fail(str(err))
     return 0
 
@@ -79,8 +89,9 @@ def register_train(subparsers) -> None:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides")
     p.add_argument("--dry-run", action="store_true",
                    help="validate config, model config, tokenizer and data; load no weights")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="local ranks (default: launch.nproc_per_node); ignored under torchrun")
+    p.add_argument("--nproc", type=integer(at_least(0)), default=None,
+                   help="local ranks (default: launch.nproc_per_node; 0: the machine's default); ignored "
+                        "under torchrun")
     p.set_defaults(func=cmd_train)
 
 
@@ -95,7 +106,8 @@ def register_promote(subparsers) -> None:
     q.add_argument("--out", required=True, help="where to write the promoted config")
     q.add_argument("--criterion", default="reward", choices=["reward"],
                    help="reward: highest mean final reward among never-collapsed cells, ties → lower unsafe-keep")
-    q.add_argument("--tie-tol", type=float, default=0.0, help="rewards within this are ties (default 0)")
+    q.add_argument("--tie-tol", type=number(non_negative), default=0.0,
+                   help="rewards within this are ties (default 0)")
     q.add_argument("--keep-base-aggregation", action="store_true",
                    help="keep the base config's mask.aggregation and mask.horizon")
     q.add_argument("--target", default="pdm", choices=["pdm", "trl", "verl"],

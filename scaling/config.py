@@ -11,8 +11,8 @@ import dataclasses
 from pathlib import Path
 from typing import Annotated, Any
 
-from pdm_lab.config import (ConfigError, MaskConfig, apply_overrides, at_least, config_dataclass, from_dict,
-                            in_range, non_negative, one_of, positive, to_dict)
+from pdm_lab.config import (ConfigError, MaskConfig, apply_overrides, at_least, config_dataclass, dump_yaml,
+                            from_dict, in_range, non_negative, one_of, positive, read_yaml, to_dict)
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 TRAIN_DTYPES = ("fp32", "bf16")
@@ -55,6 +55,12 @@ class TinyModelConfig:
     """Fraction of warm-up answers with one character replaced at random: the warmed-up policy
     is then right only part of the time at temperature 1 (as a base LLM is), and RL has
     something to sharpen."""
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"model.tiny.num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                              f"of num_key_value_heads ({self.num_key_value_heads}): each KV head serves a "
+                              "group of query heads")
 
 
 @config_dataclass("model")
@@ -405,6 +411,14 @@ class TrainConfig:
         if tiny is not None and self.mask.k > tiny.vocab_size:  # K tokens of a smaller vocabulary
             raise ConfigError(f"mask.k: {self.mask.k} exceeds the vocabulary (model.tiny.vocab_size = "
                               f"{tiny.vocab_size})")
+        if tiny is not None:  # a model read from model.path is checked by the dry run / preflight
+            budget = max(self.rollout.max_tokens, self.eval.max_tokens or 0)
+            context = max(self.rollout.max_model_len or 0, budget + 1)  # at least one prompt token
+            if context > tiny.max_position_embeddings:
+                raise ConfigError(f"model.tiny.max_position_embeddings ({tiny.max_position_embeddings}) is "
+                                  f"shorter than a prompt plus the response budget (rollout.max_tokens = "
+                                  f"{self.rollout.max_tokens}, eval.max_tokens = {self.eval.max_tokens}, "
+                                  f"rollout.max_model_len = {self.rollout.max_model_len})")
 
     @property
     def resolved_run_dir(self) -> Path:
@@ -412,15 +426,13 @@ class TrainConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Load a TrainConfig from YAML plus ``key.path=value`` overrides (``yaml.safe_load`` only).
+    """Load a TrainConfig from YAML plus ``key.path=value`` overrides (``pdm_lab.config.read_yaml``:
+    safe loading, YAML 1.2 numbers, no duplicate keys or aliases).
 
     ``plugins`` listed in the file or the overrides are imported first, so a plugin may register
     a mask rule that the ``mask:`` section then names.
     """
-    import yaml
-
-    with open(path, encoding="utf-8") as fh:
-        raw = yaml.safe_load(fh) or {}
+    raw = read_yaml(path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides)
@@ -437,10 +449,14 @@ def import_plugins(modules: Any) -> None:
     if isinstance(modules, str):
         modules = [modules]
     for mod in modules:
+        if not isinstance(mod, str) or not mod:
+            raise ConfigError(f"plugins: expected module names or .py paths, got {mod!r}")
         if str(mod).endswith(".py"):
             name = f"pdm_lab_plugin_{Path(mod).stem}"
             if name in sys.modules:
                 continue
+            if not Path(mod).is_file():
+                raise ConfigError(f"plugins: {mod!r} is not a file")
             spec = importlib.util.spec_from_file_location(name, mod)
             if spec is None or spec.loader is None:
                 raise ConfigError(f"plugins: cannot import {mod!r}")
@@ -448,7 +464,12 @@ def import_plugins(modules: Any) -> None:
             sys.modules[name] = module
             spec.loader.exec_module(module)
         else:
-            importlib.import_module(mod)
+            try:
+                importlib.import_module(mod)
+            except ModuleNotFoundError as err:
+                if err.name and mod.startswith(err.name):  # the plugin itself, not one of its imports
+                    raise ConfigError(f"plugins: no module named {mod!r}") from None
+                raise
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
@@ -458,7 +479,5 @@ def config_to_dict(cfg: TrainConfig) -> dict:
 
 def save_config(cfg: TrainConfig, path: str | Path, header: str = "") -> None:
     """Write the resolved config as YAML (loads back to an equal TrainConfig)."""
-    import yaml
-
-    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+    text = dump_yaml(config_to_dict(cfg))
     Path(path).write_text((header + "\n" if header else "") + text, encoding="utf-8")

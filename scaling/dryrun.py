@@ -3,16 +3,23 @@
 Checks: the config (already typed and validated by loading), the model directory (config.json is
 a causal LM, weights present, vLLM-compatible head_dim on CPU), the tokenizer and its chat
 template, every row of every prompt file (the same reader and tokeniser as the run), the
-verifier, the batch layout for ``launch.nproc_per_node`` ranks, and that the longest prompt plus
-the response budget fits the model's context. Returns a report; raises on the first hard error.
+verifier, the batch layout for ``--nproc`` / ``launch.nproc_per_node`` ranks, that the longest
+prompt plus the response budget fits the model's context, that there are enough prompts for a
+step, that a checkpoint to resume from exists, and on a CPU host that the KV caches fit in memory.
+Returns a report; raises on the first hard error.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from pathlib import Path
 
 import torch
 
 from .assets import check_model_config, data_files, load_data, load_tokenizer, model_dir
+from pdm_lab.config import ConfigError
+
 from .config import TrainConfig
 from .data import DataError
 from .distributed import Layout, default_ranks
@@ -23,14 +30,43 @@ from .verifiers import get_verifier
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
-class DryRunError(ValueError):
-    """A config that would fail at run time."""
+class DryRunError(ConfigError):
+    """A config that would fail at run time (bad input: exit status 2)."""
 
 
-def dry_run(cfg: TrainConfig, *, log=print) -> dict:
-    """Validate ``cfg`` as far as possible without GPUs or weights in memory."""
+def _physical_memory_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host(cfg: TrainConfig, ranks: int) -> None:
+    """What the run needs of this machine and its files before any rank starts."""
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not Path(resume).exists():
+        raise DryRunError(f"checkpoint.resume: {resume} does not exist (auto, never, or a checkpoint path)")
+    memory = _physical_memory_gib()
+    if not torch.cuda.is_available() and memory is not None:  # on CPU the KV cache is host memory
+        need = cfg.rollout.kv_cache_gib * ranks
+        if need > memory:
+            raise DryRunError(f"rollout.kv_cache_gib = {cfg.rollout.kv_cache_gib:g} GiB × {ranks} engine(s) "
+                              f"exceeds this machine's memory ({memory:.0f} GiB)")
+
+
+def _check_heads(path: Path) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise DryRunError(f"{path}/config.json: num_attention_heads ({heads}) is not a multiple of "
+                          f"num_key_value_heads ({kv})")
+
+
+def dry_run(cfg: TrainConfig, *, log=print, nproc: int | None = None) -> dict:
+    """Validate ``cfg`` as far as possible without GPUs or weights in memory, for `nproc` local
+    ranks (default: ``launch.nproc_per_node``, else the machine's default)."""
     report: dict = {"config": "ok", "mask": dataclasses.asdict(cfg.mask)}
-    lay = Layout(rank=0, world=cfg.launch.nproc_per_node or default_ranks(), local_rank=0,
+    lay = Layout(rank=0, world=nproc or cfg.launch.nproc_per_node or default_ranks(), local_rank=0,
                  tp=cfg.rollout.tensor_parallel_size, device=torch.device("cpu"))
     if lay.world % lay.tp:
         raise DryRunError(f"launch.nproc_per_node={lay.world} is not a multiple of "
@@ -39,6 +75,7 @@ def dry_run(cfg: TrainConfig, *, log=print) -> dict:
         report["sequences_per_rank"] = check_layout(cfg, lay)
     except ValueError as err:
         raise DryRunError(str(err)) from None
+    check_host(cfg, lay.world)
     get_verifier(cfg.reward.verifier)
     report["verifier"] = cfg.reward.verifier
 
@@ -47,12 +84,16 @@ def dry_run(cfg: TrainConfig, *, log=print) -> dict:
         if syn is None:
             raise DryRunError("model.tiny needs data.synthetic")
         sample_examples(syn.name, 4, seed=syn.seed, max_value=syn.max_value, length=syn.length)
+        if syn.n_train < cfg.rollout.prompts_per_step:
+            raise DryRunError(f"data.synthetic.n_train={syn.n_train} training prompts, fewer than "
+                              f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
         report["model"] = {"tiny": dataclasses.asdict(cfg.model.tiny), "note": "built on first use"}
         report["data"] = {"synthetic": dataclasses.asdict(syn)}
         return report
 
     path = model_dir(cfg)
     info = check_model_config(path)
+    _check_heads(path)
     report["model"] = {"path": str(path), **info}
     if not info["has_safetensors"]:
         raise DryRunError(f"model.path: {path} has no *.safetensors weights")

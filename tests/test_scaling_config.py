@@ -197,3 +197,98 @@ def test_tiny_config_dry_run_without_building():
 
     report = dry_run(load_config(REPO / "scaling/configs/tiny-cpu.yaml"))
     assert report["model"]["note"] == "built on first use"
+
+
+TINY = REPO / "scaling" / "configs" / "tiny-cpu.yaml"
+
+
+def test_scientific_notation_in_files_and_overrides(tmp_path):
+    """``1e-5`` is a number wherever a user writes it (the README's form)."""
+    cfg = load_config(TINY, ["mask.delta=1e-5", "trainer.lr=1E-4", "rollout.prompts_per_step=3.2e1"])
+    assert (cfg.mask.delta, cfg.trainer.lr, cfg.rollout.prompts_per_step) == (1e-5, 1e-4, 32)
+    path = tmp_path / "sci.yaml"
+    path.write_text(TINY.read_text().replace("lr: 0.0003", "lr: 3e-4"))
+    assert load_config(path).trainer.lr == 3e-4
+
+
+def test_duplicate_keys_and_aliases_refused_at_load(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(TINY.read_text() + "\nseed: 5\n")
+    with pytest.raises(ConfigError, match=r"dup\.yaml: line \d+: duplicate key 'seed'"):
+        load_config(dup)
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(TINY.read_text() + "\nprovenance:\n  metrics:\n    a: &a [x, x]\n    b: [*a, *a]\n")
+    with pytest.raises(ConfigError, match=r"bomb\.yaml: line \d+: alias \*a"):
+        load_config(bomb)
+
+
+def test_save_config_writes_no_alias_and_keeps_number_like_strings(tmp_path):
+    from dataclasses import replace
+
+    from pdm_lab.scaling.config import Provenance
+
+    shared = {"x": [1, 2]}
+    cfg = replace(load_config(TINY), name="1e-5", provenance=Provenance(metrics={"a": shared, "b": shared},
+                                                                         created="2026-12-02"))
+    out = tmp_path / "saved.yaml"
+    save_config(cfg, out)
+    text = out.read_text()
+    assert "&" not in text and "*" not in text
+    assert load_config(out) == cfg and load_config(out).name == "1e-5"
+
+
+@pytest.mark.parametrize("override, names", [
+    ("model.tiny.num_attention_heads=3", "num_attention_heads"),
+    ("model.tiny.max_position_embeddings=4", "max_position_embeddings"),
+    ("rollout.max_tokens=1000", "rollout.max_tokens"),
+    ("rollout.max_model_len=1000", "max_model_len"),
+])
+def test_tiny_model_shape_checks(override, names):
+    with pytest.raises(ConfigError, match=names):
+        load_config(TINY, [override])
+
+
+@pytest.mark.parametrize("override, names", [
+    ("rollout.kv_cache_gib=1e12", "rollout.kv_cache_gib"),
+    ("rollout.prompts_per_step=1e8", "rollout.prompts_per_step"),
+    ("data.synthetic.n_train=10", "rollout.prompts_per_step"),
+    ("checkpoint.resume=/nonexistent/ckpt", "checkpoint.resume: /nonexistent/ckpt does not exist"),
+])
+def test_tiny_dry_run_checks(override, names):
+    from pdm_lab.scaling.dryrun import DryRunError, dry_run
+
+    with pytest.raises(DryRunError, match=names):
+        dry_run(load_config(TINY, [override]), log=lambda *_: None)
+
+
+def test_dry_run_resume_path_that_exists_and_nproc(tmp_path):
+    from pdm_lab.scaling.dryrun import DryRunError, dry_run
+
+    assert dry_run(load_config(TINY, [f"checkpoint.resume={tmp_path}"]), log=lambda *_: None)["config"] == "ok"
+    cfg = load_config(TINY, ["rollout.tensor_parallel_size=2"])
+    with pytest.raises(DryRunError, match="launch.nproc_per_node=3"):
+        dry_run(cfg, nproc=3, log=lambda *_: None)
+
+
+def test_paper_model_heads_checked(fake_assets, tmp_path):
+    from pdm_lab.scaling.dryrun import DryRunError, dry_run
+
+    model_dir = Path(fake_assets["model"])
+    bad = tmp_path / "model"
+    bad.mkdir()
+    for item in model_dir.iterdir():
+        if item.is_file():
+            (bad / item.name).write_bytes(item.read_bytes())
+    info = json.loads((bad / "config.json").read_text())
+    info.update(num_attention_heads=3, num_key_value_heads=2)
+    (bad / "config.json").write_text(json.dumps(info))
+    cfg = load_config(Q4B, paper_overrides(fake_assets) + [f"model.path={bad}"])
+    with pytest.raises(DryRunError, match="num_attention_heads \\(3\\) is not a multiple"):
+        dry_run(cfg, log=lambda *_: None)
+
+
+def test_plugin_errors_name_the_plugin(tmp_path):
+    with pytest.raises(ConfigError, match="plugins: no module named 'no_such_plugin_xyz'"):
+        load_config(TINY, ["plugins=[no_such_plugin_xyz]"])
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_config(TINY, [f"plugins=[{tmp_path}/missing.py]"])

@@ -6,27 +6,43 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 
+from ..config import FINITE, ConfigError, Range, at_least, check_option, parse_value
 from .plugins import COMMANDS, PluginError, discover, load
+
+
+def number(rng: Range = FINITE, *, integer: bool = False, field: tuple[type, str] | None = None):
+    """An argparse ``type`` for a number read by the config grammar (``1e-5`` is a number, ``.nan``
+    parses and is refused unless the range allows it) and checked against its range: `rng`, or
+    the ``Annotated`` range of a config field, ``field=(AuditConfig, "delta")``, so an option that
+    feeds a config field declares no second range. argparse names the option in the error."""
+    def parse(text: str) -> typing.Any:
+        try:
+            value = parse_value(text, source=repr(text))
+        except ConfigError:
+            value = text
+        try:
+            return check_option(value, integer=integer, rng=rng, field=field)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    parse.__name__ = "integer" if integer else "number"
+    return parse
+
+
+def integer(rng: Range = Range(), *, field: tuple[type, str] | None = None):
+    """``number(rng, integer=True)``: an integer (``1e5`` is 100000) in `rng`, within int64."""
+    return number(rng, integer=True, field=field)
 
 
 def int_at_least(minimum: int):
     """An argparse ``type`` for an integer ≥ `minimum` (``--workers 0`` is an error, not a default)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be ≥ {minimum}, got {value}")
-        return value
-    parse.__name__ = f"integer ≥ {minimum}"
-    return parse
+    return integer(at_least(minimum))
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An argument error is one line naming the argument (issue 9), with a pointer to --help
-    instead of the full usage block."""
+    """An argument error is one line naming the argument, with a pointer to --help instead of
+    the full usage block."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
@@ -72,8 +88,38 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def save_traceback(err: BaseException, argv: list[str]) -> str:
+    """Write `err`'s traceback (and the command line) to a new file in the temp folder; its path,
+    or why none was written."""
+    import tempfile
+    import traceback
+
+    try:
+        fd, path = tempfile.mkstemp(prefix="pdm-lab-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(f"pdm-lab {' '.join(argv)}\npython {sys.version.split()[0]}\n\n")
+            fh.write("".join(traceback.format_exception(err)))
+        return path
+    except OSError as io_err:
+        return f"(not saved: {io_err})"
+
+
+def internal_error_line(command: str, err: BaseException, argv: list[str]) -> str:
+    """The one line an internal error prints: that it is a pdm_lab bug, what it was, and the file
+    holding its traceback."""
+    from ..errors import one_line
+
+    what = one_line(err)
+    name = type(err).__name__
+    what = what if what.startswith(name) else f"{name}: {what}"
+    return (f"pdm-lab {command}: internal error (a pdm_lab bug, not a problem with your input): {what}; "
+            f"traceback saved to {save_traceback(err, argv)} (please report it)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, also after the command's options
+    argv = [a for a in argv if a != "--debug"]
     try:
         parser = build_parser(argv)
     except PluginError as err:
@@ -82,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true",
                         help="on an error, show the full traceback (also: PDM_LAB_DEBUG=1)")
     args, extra = parser.parse_known_args(argv)
+    args.debug = debug
     if extra:  # key.path=value overrides may sit between options (argparse keeps one positional run)
         if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
             args.overrides = list(args.overrides or []) + extra
@@ -91,13 +138,17 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except KeyboardInterrupt:
         return 130
-    except Exception as err:  # noqa: BLE001 - every failure is one line naming the input (issue 9)
+    except Exception as err:  # noqa: BLE001 - every failure is one line: bad input (2) or a bug (70)
         if args.debug or os.environ.get("PDM_LAB_DEBUG"):
             raise
         from ..errors import exit_code, one_line
 
-        print(f"pdm-lab {args.command}: error: {one_line(err)} (--debug for the traceback)", file=sys.stderr)
-        return exit_code(err)
+        status = exit_code(err)
+        if status == 2:
+            print(f"pdm-lab {args.command}: error: {one_line(err)} (--debug for the traceback)", file=sys.stderr)
+        else:
+            print(internal_error_line(args.command, err, argv), file=sys.stderr)
+        return status
     return int(code or 0)
 
 

@@ -32,18 +32,22 @@ import torch
 
 from .benchtools import (allocator_setting, alternated_medians, best_of, in_fresh_process, load_average,
                          peak_extra_mb, policy_like, rollout_like_inputs)
-from ..config import MaskConfig
+from ..config import ConfigError, MaskConfig, at_least
 from ..loss import pdm_policy_loss
 from ..runtime.plugins import BENCHMARKS, BENCHMARKS_ON_DEMAND, PluginError, discover, load
 from ..policy_side import policy_on_support, policy_on_support_reference
+from ..runtime.cli import integer
 from ..support import support_from_topk
+
+#: The mask pipeline's vocabulary (Qwen3's), whatever ``--vocab`` the gather bench uses.
+PIPELINE_VOCAB = 151_936
 
 
 def bench_mask_pipeline(n_tokens: int, k: int, repeat: int, modes=(False, True)) -> list[dict]:
     """The core pipeline from raw engine output (support → stats → mask → loss → backward), and the
     same without support construction, against one fused-elementwise reference pass over the
     same [N, K] inputs; all alternated round by round, medians of `repeat` rounds."""
-    inp = rollout_like_inputs(n_tokens, k, vocab=151_936)
+    inp = rollout_like_inputs(n_tokens, k, vocab=PIPELINE_VOCAB)
     cfg = MaskConfig(rule="pdm_topk", k=k)
     adv = inp["advantages"].reshape(-1, 1)
     resp = torch.ones_like(adv, dtype=torch.bool)
@@ -166,7 +170,17 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['ratio']:>7.3g}  {r['target']}{load}")
 
 
+def check_sizes(args: argparse.Namespace) -> None:
+    """What the option ranges cannot see alone: K + 1 support tokens (top-K and a sampled one)
+    must leave a tail in each vocabulary, ``--vocab`` and the pipeline's."""
+    for option, vocab in (("--vocab", args.vocab), ("the pipeline's vocabulary", PIPELINE_VOCAB)):
+        if args.k + 1 >= vocab:
+            raise ConfigError(f"--k {args.k}: must be < {option} − 1 = {vocab - 1} (K + 1 support tokens "
+                              "and a tail)")
+
+
 def main(args: argparse.Namespace) -> int:
+    check_sizes(args)
     torch.set_num_threads(args.threads) if args.threads else None
     rows: list[dict] = []
     benches = {**discover(BENCHMARKS), **discover(BENCHMARKS_ON_DEMAND)}
@@ -187,21 +201,26 @@ def main(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: ratios against references measured in the same run",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=1_000_000, help="tokens for the mask pipeline (default 1M)")
-    p.add_argument("--k", type=int, default=20, help="top-K (default 20)")
-    p.add_argument("--gather-tokens", type=int, default=256, help="tokens for the gather bench (default 256)")
-    p.add_argument("--vocab", type=int, default=151_936, help="vocabulary for the gather bench (Qwen3's)")
-    p.add_argument("--repeat", type=int, default=3, help="timed repeats, best kept (default 3)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--tokens", type=integer(at_least(1)), default=1_000_000,
+                   help="tokens for the mask pipeline (default 1M)")
+    p.add_argument("--k", type=integer(at_least(1)), default=20, help="top-K (default 20)")
+    p.add_argument("--gather-tokens", type=integer(at_least(1)), default=256,
+                   help="tokens for the gather bench (default 256)")
+    p.add_argument("--vocab", type=integer(at_least(3)), default=PIPELINE_VOCAB,
+                   help="vocabulary for the gather bench (Qwen3's)")
+    p.add_argument("--repeat", type=integer(at_least(1)), default=3, help="timed repeats, best kept (default 3)")
+    p.add_argument("--threads", type=integer(at_least(0)), default=0,
+                   help="torch threads (default 0: torch's choice)")
     names = list(discover(BENCHMARKS))
     on_demand = list(discover(BENCHMARKS_ON_DEMAND))
     p.add_argument("--only", "--suite", nargs="+", default=names, choices=names + on_demand,
                    help="which benchmarks to run (entry points of pdm_lab.benchmarks; default: all of "
                         "them; those of pdm_lab.benchmarks.on_demand, e.g. the loop against TRL, run "
                         "only when named)")
-    p.add_argument("--loop-steps", type=int, default=12, help="loop suite: steps per run (default 12)")
-    p.add_argument("--loop-rounds", type=int, default=2, help="loop suite: alternated rounds (default 2)")
-    p.add_argument("--loop-ranks", type=int, nargs="+", default=[0],
+    p.add_argument("--loop-steps", type=integer(at_least(1)), default=12, help="loop suite: steps per run (default 12)")
+    p.add_argument("--loop-rounds", type=integer(at_least(1)), default=2,
+                   help="loop suite: alternated rounds (default 2)")
+    p.add_argument("--loop-ranks", type=integer(at_least(0)), nargs="+", default=[0],
                    help="loop suite: rank counts of our runs (0: the default from the machine)")
     p.add_argument("--eager-only", action="store_true",
                    help="skip the torch.compile variants (no compile time; a quick smoke run)")

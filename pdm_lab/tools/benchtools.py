@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_module
 import statistics
 import time
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -49,16 +51,64 @@ def peak_extra_mb(fn: Callable[[], Any]) -> float:
     return (proc_status_kb("VmHWM") - base) / 1024.0
 
 
-def in_fresh_process(target: Callable, *args, timeout: float = 900) -> Any:
-    """Run ``target(queue, *args)`` in a spawned process and return what it puts on the queue."""
+class ChildFailed(RuntimeError):
+    """A measurement's fresh process raised or died: the child's one-line error, and the child's
+    traceback as the cause."""
+
+
+class ChildTraceback(Exception):
+    """The traceback text of an exception raised in a child process (chained as the cause)."""
+
+
+def _report_to_parent(queue, target: Callable, args: tuple) -> None:
+    """The child's entry point: run the measurement; on an exception hand the parent its one-line
+    message and traceback instead of only printing them to a stderr nobody waits on."""
+    try:
+        target(queue, *args)
+    except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
+        from ..errors import one_line
+
+        queue.put({"child_error": f"{type(err).__name__}: {one_line(err)}", "traceback": traceback.format_exc()})
+        raise SystemExit(1) from None
+
+
+def in_fresh_process(target: Callable, *args, timeout: float = 900, poll_s: float = 0.2) -> Any:
+    """Run ``target(queue, *args)`` in a spawned process and return what it puts on the queue.
+
+    The parent fails at once when the child does: with the child's one-line error when it raised,
+    with its exit status when it died without a word (a signal, ``os._exit``), and after `timeout`
+    seconds without a result; the child is stopped on the way out either way.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(queue, *args))
+    proc = ctx.Process(target=_report_to_parent, args=(queue, target, args))
     proc.start()
+    name = getattr(target, "__name__", repr(target))
+    deadline = time.monotonic() + timeout
     try:
-        return queue.get(timeout=timeout)
+        while True:
+            try:
+                result = queue.get(timeout=poll_s)
+                break
+            except queue_module.Empty:
+                pass
+            if not proc.is_alive():
+                try:  # it may have reported just before exiting
+                    result = queue.get(timeout=1.0)
+                    break
+                except queue_module.Empty:
+                    raise ChildFailed(f"{name} (fresh process) exited with status {proc.exitcode} "
+                                      "before reporting a result") from None
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"{name} (fresh process) reported nothing within {timeout:g} s")
     finally:
-        proc.join()
+        proc.join(timeout=5)  # after its result (or its error) the child only exits
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if isinstance(result, dict) and "child_error" in result:
+        raise ChildFailed(f"{name} (fresh process): {result['child_error']}") from ChildTraceback(result["traceback"])
+    return result
 
 
 def alternated_medians(fns: dict[str, Callable[[], Any]], rounds: int,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.cli import int_at_least
+from ..config import ConfigError, at_least, non_negative
 from ..diagnose import DIAGNOSE_MASKS, diagnose
+from ..runtime.cli import integer, number
 from .synthetic import synthetic_batch
 
 
@@ -57,6 +58,8 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.k > args.vocab:
+        raise ConfigError(f"--k {args.k}: must be ≤ --vocab ({args.vocab}): K of μ's most probable tokens")
     start = time.perf_counter()
     rows = run_demo(tokens=args.tokens, vocab=args.vocab, k=args.k, delta=args.delta, seed=args.seed)
     _print_table(rows)
@@ -71,10 +74,10 @@ def main(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("demo", help="the masks on synthetic LLM-like batches (prints a table, writes JSON)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int_at_least(1), default=1024, help="tokens per batch (default 1024)")
-    p.add_argument("--vocab", type=int_at_least(1), default=32000, help="vocabulary size n (default 32000)")
-    p.add_argument("--k", type=int_at_least(1), default=20, help="top-K (default 20)")
-    p.add_argument("--delta", type=float, default=0.05, help="threshold δ (default 0.05)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=integer(at_least(1)), default=1024, help="tokens per batch (default 1024)")
+    p.add_argument("--vocab", type=integer(at_least(2)), default=32000, help="vocabulary size n (default 32000)")
+    p.add_argument("--k", type=integer(at_least(1)), default=20, help="top-K, at most --vocab (default 20)")
+    p.add_argument("--delta", type=number(non_negative), default=0.05, help="threshold δ (default 0.05)")
+    p.add_argument("--seed", type=integer(at_least(0)), default=0)
     p.add_argument("--out", default="results/demo.json", help="JSON output (default results/demo.json)")
     p.set_defaults(func=main)
