@@ -18,9 +18,11 @@ rows, ties at the top-K boundary, near-certain tokens (1 − 1e-17), tails down 
 side only, where 1 − Σ head loses every digit), the sampled token inside and outside the top-K,
 both support conventions (SPEC §2), and μ cut by the engine's top-k or top-p (cut tokens at −inf,
 a legal zero probability, SPEC §8: inside S when K exceeds the kept tokens, or the whole tail so
-that μ_T = 0). The oracle recomputes SPEC §2–4 in ``mpmath`` at 60 digits
-from the same float64 inputs, with the support chosen by SPEC's tie rule; a mask check skips
-only tokens that sit on a decision boundary within rounding (D ≈ δ, Ḋ ≈ 0, r ≈ 1).
+that μ_T = 0). The oracle is ``pdm_lab.oracle`` (the one ``pdm_lab.proofs`` checks its claims
+against): SPEC §2–4 in ``mpmath`` at 50 digits from the same float64 inputs, with the support
+chosen by SPEC's tie rule. ``check_mask`` takes a rule's divergence and direction from its
+registry record (``oracle_mask_rules``); it skips only tokens that sit on a decision boundary
+within rounding (D ≈ δ, Ḋ ≈ 0, r ≈ 1).
 tests/test_testing_kit.py shows it catching a 1 − Σ tail implementation and a μ·(log μ − log π)
 one that turns a cut token into NaN, and passing pdm_lab's.
 """
@@ -38,14 +40,15 @@ try:
 except ImportError as err:  # the core installs without them
     raise ImportError(f"pdm_lab.testing needs hypothesis and mpmath: pip install 'pdm_lab[test]' ({err})") from None
 
+from .oracle import PRECISION, Instance, spec_support
+
 #: Regimes of ``llm_cases`` (each a way real logits break naive code).
 REGIMES = ("peaked", "flat", "ties", "near_certain", "deep_tail")
 #: Engine truncations of μ in ``llm_cases``: none, top-k, top-p (cut tokens come back as −inf).
 CUTS = ("none", "top_k", "top_p")
-#: Divergences ``check_divergence`` knows, and the rules ``check_mask`` knows.
+#: Divergences ``check_divergence`` knows, and the Ḋ estimators the oracle evaluates.
 ORACLE_DIVERGENCES = ("topk_kl", "topk_tv", "binary_kl", "binary_tv")
-ORACLE_MASKS = ("dppo_topk_kl", "dppo_topk_tv", "dppo_binary_kl", "dppo_binary_tv", "pdm_exact", "pdm_topk")
-_DPS = 60
+ORACLE_ESTIMATORS = ("exact", "agg", "uniform", "topk")
 
 
 @dataclass(frozen=True)
@@ -142,42 +145,14 @@ def llm_cases(draw, *, max_vocab: int = 48, max_rows: int = 6, regimes: tuple[st
 
 def oracle_support(mu_row: list[float], sampled: int, k: int, convention: str) -> list[int]:
     """SPEC §2: μ's K most probable ids (ties: lower id first), plus or in place of k."""
-    order = sorted(range(len(mu_row)), key=lambda i: (-mu_row[i], i))
-    top = order[:k]
-    if sampled in top:
-        return top
-    return top + [sampled] if convention == "union" else top[:-1] + [sampled]
-
-
-def _kl_term(p, q):
-    return mpmath.mpf(0) if p == 0 else p * mpmath.log(p / q)
+    return list(spec_support(mu_row, sampled, k, convention))  # log μ orders S as μ does
 
 
 def oracle_row(mu_row: list[float], pi_row: list[float], sampled: int, k: int, convention: str) -> dict:
-    """Every SPEC §2–3 quantity of one token, in mpmath at 60 digits (mpf values)."""
-    with mpmath.workdps(_DPS):
-        mu = [mpmath.exp(mpmath.mpf(x)) for x in mu_row]
-        pi = [mpmath.exp(mpmath.mpf(x)) for x in pi_row]
-        # the float64 inputs are normalised only to rounding: renormalise exactly
-        zmu, zpi = mpmath.fsum(mu), mpmath.fsum(pi)
-        mu, pi = [x / zmu for x in mu], [x / zpi for x in pi]
-        support = oracle_support(mu_row, sampled, k, convention)
-        inside = set(support)
-        tail = [i for i in range(len(mu)) if i not in inside]
-        mu_t, pi_t = mpmath.fsum(mu[i] for i in tail), mpmath.fsum(pi[i] for i in tail)
-        mk, pk = mu[sampled], pi[sampled]
-        topk_kl = mpmath.fsum(_kl_term(mu[i], pi[i]) for i in support) + _kl_term(mu_t, pi_t)
-        topk_tv = (mpmath.fsum(abs(mu[i] - pi[i]) for i in support) + abs(mu_t - pi_t)) / 2
-        # 1 − p_k as the sum of the others: 1 − (1 − 1e-270) is 0 even at 60 digits
-        rest_mu = mpmath.fsum(mu[i] for i in range(len(mu)) if i != sampled)
-        rest_pi = mpmath.fsum(pi[i] for i in range(len(pi)) if i != sampled)
-        binary_kl = _kl_term(mk, pk) + _kl_term(rest_mu, rest_pi)
-        head = (pk - mk) + mpmath.fsum(pi[i] * (mu[i] - pi[i]) for i in support)
-        sumsq = mpmath.fsum(pi[i] ** 2 for i in tail)
-        ddot_topk = head + ((mu_t / pi_t - 1) * sumsq if pi_t > 0 else 0)
-        ddot_exact = (pk - mk) + mpmath.fsum(pi[i] * (mu[i] - pi[i]) for i in range(len(mu)))
-        return {"topk_kl": topk_kl, "topk_tv": topk_tv, "binary_kl": binary_kl, "binary_tv": abs(pk - mk),
-                "log_ratio": mpmath.log(pk) - mpmath.log(mk), "ddot_topk": ddot_topk, "ddot_exact": ddot_exact}
+    """Every SPEC §2–4 quantity of one token from ``pdm_lab.oracle`` (mpf values at
+    ``PRECISION`` digits): ``Instance.token_values``."""
+    with mpmath.workdps(PRECISION):
+        return Instance(tuple(mu_row), tuple(pi_row), sampled, k, convention).token_values()
 
 
 def oracle(case: Case) -> list[dict]:
@@ -186,13 +161,27 @@ def oracle(case: Case) -> list[dict]:
     return [oracle_row(mu[i], pi[i], int(case.sampled[i]), case.k, case.convention) for i in range(len(mu))]
 
 
+def oracle_mask_rules() -> tuple[str, ...]:
+    """The registered rules ``check_mask`` decides from the oracle: SPEC §4's trust-region rules,
+    M = 0 iff divergence > δ ∧ Â·direction > 0, read from each record — token level, a divergence
+    the oracle computes, δ, the ratio test (no estimator) or a Ḋ estimator of SPEC §3's table, and
+    no input beyond full distributions."""
+    from .masks import MASK_RULES
+
+    return tuple(sorted(name for name, rec in MASK_RULES.items()
+                        if rec.level == "token" and rec.divergence in ORACLE_DIVERGENCES and rec.uses_delta
+                        and set(rec.needs) <= {"full"} and (rec.estimator is None or rec.estimator in ORACLE_ESTIMATORS)))
+
+
 def oracle_keep(row: dict, advantage: float, rule: str, delta: float, tol: float) -> bool | None:
-    """SPEC §4 decision of `rule` for one token (True: keep); None when it is on a boundary
-    within `tol` (a correct float implementation may go either way there)."""
-    divergence = {"dppo_topk_kl": "topk_kl", "dppo_topk_tv": "topk_tv", "dppo_binary_kl": "binary_kl",
-                  "dppo_binary_tv": "binary_tv", "pdm_exact": "topk_kl", "pdm_topk": "topk_kl"}[rule]
-    d = row[divergence]
-    direction = row["log_ratio"] if rule.startswith("dppo") else row[f"ddot_{rule.removeprefix('pdm_')}"]
+    """SPEC §4 decision of `rule` for one token (True: keep), from its record: the divergence it
+    thresholds, the direction its estimator gives (the ratio test without one). None when the
+    token is on a boundary within `tol` (a correct float implementation may go either way there)."""
+    from .masks import get_mask_rule
+
+    record = get_mask_rule(rule)
+    d = row[record.divergence]
+    direction = row["log_ratio"] if record.estimator is None else row[f"ddot_{record.estimator}"]
     if advantage == 0:
         return True
     if abs(d - delta) <= tol * max(1.0, delta) or abs(direction) <= tol:
@@ -235,8 +224,9 @@ def check_mask(fn: Callable[..., Tensor], rule: str = "dppo_topk_kl", *, delta: 
                tol: float = 1e-9, max_examples: int = 100, cases=None, derandomize: bool = True) -> None:
     """Assert ``fn(mu_logp, pi_logp, sampled, advantages, k, delta, convention) -> [N]`` keep
     (1 keep, 0 drop) equals SPEC §4's `rule` from the oracle on every token not on a boundary."""
-    if rule not in ORACLE_MASKS:
-        raise ValueError(f"rule: unknown {rule!r}; valid: {', '.join(ORACLE_MASKS)}")
+    valid = oracle_mask_rules()
+    if rule not in valid:
+        raise ValueError(f"rule: {rule!r} is not a rule the oracle decides; valid: {', '.join(valid)}")
 
     def check(case: Case) -> None:
         got = fn(case.mu_logp, case.pi_logp, case.sampled, case.advantages, case.k, delta, case.convention)

@@ -1,9 +1,9 @@
-"""Extreme but finite inputs never make the loss, its gradient or a statistic NaN/inf (issue 9).
+"""Extreme but finite inputs never make the loss, its gradient or a statistic NaN/inf.
 
 Masked, Â = 0 and capped tokens contribute exactly 0 (or min(r, c)·Â) with finite gradients for
 log-probs down to −1e4 and rounding to 0; binary KL stays finite when π_k is within 1e-8 of 1.
 
-Run as a script for the randomized sweep of the issue's "Done when" (prints the NaN/inf count)::
+Run as a script for a longer randomized sweep (prints the NaN/inf count)::
 
     python tests/test_core_extremes.py --calls 6000
 """
@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import mpmath
 import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
+from hypothesis.errors import HypothesisException
 
 from pdm_lab import MaskConfig, pdm_policy_loss, policy_on_support, support_from_full, token_stats
+from pdm_lab import stats as stats_module
 from pdm_lab.diagnose import diagnose
 from pdm_lab.loss import token_surrogate
 from pdm_lab.masks import MASK_RULES
@@ -32,7 +35,7 @@ LOG_RATIO_REPRESENTABLE = 60.0
 
 
 def _logit(gen: torch.Generator) -> float:
-    """One logit from the issue's extreme ranges: −1e4 … 0, −100, −110, rounding to 0, ordinary."""
+    """One logit from the ranges float32 LLM logits reach: −1e4 … 0, −100, −110, rounding to 0, ordinary."""
     kind = int(torch.randint(6, (1,), generator=gen))
     u = float(torch.rand((), generator=gen))
     return (-1e4 * u, -100.0, -110.0, -1e-7 * u, 3.0 * (2 * u - 1), 0.0)[kind]
@@ -91,8 +94,29 @@ def run_case(case: dict) -> tuple[bool, bool]:
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31 - 1))
 def test_extreme_inputs_give_finite_loss_gradient_and_stats(seed):
-    _, finite = run_case(extreme_case(seed))
+    in_scope, finite = run_case(extreme_case(seed))
+    assume(in_scope)  # an overflowing kept ratio is no evidence either way: draw another case
     assert finite
+
+
+def _topk_kl_one_minus_sum(mu_logp, pi_logp, mu_tail_logp, pi_tail_logp, mu=None):
+    """A planted bug: D with the tails as 1 − Σ head (SPEC §2 forbids it), x·log(x/y) unguarded."""
+    mu_p, pi_p = mu_logp.exp(), pi_logp.exp()
+    mu_t, pi_t = 1 - mu_p.sum(-1), 1 - pi_p.sum(-1)
+    return (mu_p * (mu_logp - pi_logp)).sum(-1) + mu_t * torch.log(mu_t / pi_t)
+
+
+def test_planted_non_finite_divergence_fails_the_property(monkeypatch):
+    monkeypatch.setattr(stats_module, "topk_kl", _topk_kl_one_minus_sum)
+    with pytest.raises(AssertionError):
+        test_extreme_inputs_give_finite_loss_gradient_and_stats()
+
+
+def test_draws_out_of_scope_are_not_passes(monkeypatch):
+    """Every draw out of scope (a planted ``run_case``): the property fails for want of evidence."""
+    monkeypatch.setattr(sys.modules[__name__], "run_case", lambda case: (False, True))
+    with pytest.raises(HypothesisException):
+        test_extreme_inputs_give_finite_loss_gradient_and_stats()
 
 
 @settings(max_examples=200, deadline=None)
@@ -115,7 +139,7 @@ def test_dropped_zero_advantage_and_capped_tokens(logp, mu_logp, adv, keep, cap)
         assert lp.grad.item() == pytest.approx(expected, rel=1e-5, abs=1e-30)
 
 
-def test_issue_cases_masked_token_at_minus_100_and_cap_at_minus_110():
+def test_masked_token_at_minus_100_and_capped_token_at_minus_110():
     lp = torch.tensor([0.0, -110.0], requires_grad=True)
     mu = torch.tensor([-100.0, 0.0])
     value = token_surrogate(lp, mu, torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0]), clip_ratio_c=2.0)

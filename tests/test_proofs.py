@@ -72,6 +72,16 @@ def test_broken_backward_is_caught(monkeypatch):
     assert "T=" in report.failures[0].detail
 
 
+def test_coupled_claim_fails_when_no_numeric_trial_can_run(monkeypatch):
+    """A δ no token exceeds leaves the shared-parameter claim only its sympy part: a FAIL saying
+    so, never a pass with the numeric half skipped."""
+    from pdm_lab.proofs import coupled_direction
+
+    monkeypatch.setattr(coupled_direction, "SHARED_DELTA", 1e6)
+    result = run_claim(CLAIMS["coupled_is_first_order_change"], seed=0)
+    assert result.verdict == "FAIL" and "0 of 3 numeric trials ran" in result.detail, result.detail
+
+
 def test_report_markdown(tmp_path):
     out = tmp_path / "nested" / "proofs.md"
     report = run_proofs(only="expectation", seed=3, out=out)

@@ -1,13 +1,16 @@
 """pdm_lab.testing: the oracle agrees with hand values; the kit passes pdm_lab's own code and
 catches a user-style implementation that computes the tails as 1 − Σ (the bug peers ship)."""
+import dataclasses
 import math
 
 import mpmath
 import pytest
 import torch
 
-from pdm_lab.testing import (check_divergence, check_mask, llm_cases, oracle, oracle_row, oracle_support,
-                             pdm_lab_divergence, pdm_lab_mask)
+from pdm_lab import masks
+from pdm_lab import oracle as oracle_module
+from pdm_lab.testing import (check_divergence, check_mask, llm_cases, oracle, oracle_keep, oracle_mask_rules,
+                             oracle_row, oracle_support, pdm_lab_divergence, pdm_lab_mask)
 
 
 def user_topk_kl_one_minus_sum(mu_logp, pi_logp, sampled, k, convention):
@@ -43,15 +46,14 @@ def test_oracle_hand_values():
     assert oracle_support([0.0, 0.0, 0.0], sampled=2, k=2, convention="kslot") == [0, 2]
 
 
-# binary KL once returned +inf when log π_k rounded to 0 for a near-certain token (true value
-# finite); the kit found it (issue 10) and the complement from the rest of the distribution fixed
-# it (issue 9), so binary_kl must pass like the others.
+# binary KL is where a near-certain token's log π_k rounds to 0 (log1mexp(0) = −inf): its
+# complement comes from the rest of the distribution, so it must pass like the others.
 @pytest.mark.parametrize("divergence", ["topk_kl", "topk_tv", "binary_kl", "binary_tv"])
 def test_pdm_lab_passes_its_own_kit(divergence):
     check_divergence(pdm_lab_divergence(divergence), divergence, max_examples=25)
 
 
-@pytest.mark.parametrize("rule", ["dppo_topk_kl", "pdm_topk", "pdm_exact"])
+@pytest.mark.parametrize("rule", ["dppo_topk_kl", "pdm_topk", "pdm_exact", "pdm_uniform"])
 def test_pdm_lab_masks_pass_the_kit(rule):
     check_mask(pdm_lab_mask(rule), rule, delta=0.15, max_examples=20)
 
@@ -145,3 +147,48 @@ def test_kit_catches_nan_from_cut_tokens_in_the_support():
     check_divergence(user, "topk_kl", max_examples=20, cases=llm_cases(cuts=("none",)))  # right without cuts
     with pytest.raises(AssertionError, match=r"got nan"):
         check_divergence(user, "topk_kl", max_examples=40, cases=llm_cases(cuts=("top_k", "top_p")))
+
+
+# --- one oracle, and rules read from their records ------------------------------------------------
+
+def test_the_kit_and_the_proofs_share_one_oracle_that_imports_no_code_under_test():
+    import ast
+    from pathlib import Path
+
+    from pdm_lab.proofs import reference
+
+    assert reference.Instance is oracle_module.Instance and reference.topk_kl is oracle_module.topk_kl
+    tree = ast.parse(Path(oracle_module.__file__).read_text(encoding="utf-8"))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "." for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"__future__", "dataclasses", "functools", "mpmath"}, imported
+
+
+def test_the_rules_the_oracle_decides_come_from_the_records():
+    assert oracle_mask_rules() == ("dppo_binary_kl", "dppo_binary_tv", "dppo_topk_kl", "dppo_topk_tv",
+                                   "pdm_agg", "pdm_exact", "pdm_topk", "pdm_uniform")
+    with pytest.raises(ValueError, match="not a rule the oracle decides"):
+        check_mask(pdm_lab_mask("ppo_clip"), "ppo_clip")
+
+
+def test_oracle_keep_reads_the_direction_off_the_record(monkeypatch):
+    """A row where Ḋ_topk > 0 > Ḋ_agg and r < 1 outside δ: each rule's record picks its direction;
+    a record that named another estimator (a planted mismatch) changes the oracle's answer."""
+    row = {"topk_kl": 0.5, "topk_tv": 0.5, "log_ratio": -0.2, "ddot_topk": 0.1, "ddot_agg": -0.1}
+    assert oracle_keep(row, 1.0, "pdm_topk", 0.15, 1e-9) is False
+    assert oracle_keep(row, 1.0, "pdm_agg", 0.15, 1e-9) is True
+    assert oracle_keep(row, 1.0, "dppo_topk_kl", 0.15, 1e-9) is True
+    assert oracle_keep(row, -1.0, "dppo_topk_tv", 0.15, 1e-9) is False
+    monkeypatch.setitem(masks.MASK_RULES, "pdm_topk",
+                        dataclasses.replace(masks.MASK_RULES["pdm_topk"], estimator="agg"))
+    assert oracle_keep(row, 1.0, "pdm_topk", 0.15, 1e-9) is True
+
+
+def test_oracle_binary_and_topk_values_by_hand():
+    mu = [math.log(0.5), math.log(0.3), math.log(0.2)]
+    pi = [math.log(0.4), math.log(0.4), math.log(0.2)]
+    row = oracle_row(mu, pi, sampled=1, k=1, convention="union")  # S = {0, 1}, tail {2}
+    assert float(row["binary_kl"]) == pytest.approx(0.3 * math.log(0.3 / 0.4) + 0.7 * math.log(0.7 / 0.6), rel=1e-14)
+    assert float(row["log_ratio"]) == pytest.approx(math.log(0.4 / 0.3), rel=1e-14)
+    head = (0.4 - 0.3) + 0.4 * 0.1 + 0.4 * -0.1
+    assert float(row["ddot_agg"]) == pytest.approx(head, rel=1e-12)  # μ_T = π_T: the tail term is 0

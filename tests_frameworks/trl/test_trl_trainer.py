@@ -214,8 +214,10 @@ def test_pdm_trainer_steps_and_masks_equal_diagnose(tiny_dir, tmp_path, monkeypa
     else:
         checked, dropped = _check_against_diagnose(tiny_dir, cls.records, tol=1e-5)
     assert checked > 50
-    # num_iterations=2 re-uses each batch after a step: π moves away from μ, D grows
+    # num_iterations=2 re-uses each batch after a step: π moves away from μ, D grows past δ, and
+    # the rule drops the tokens whose update would grow it further, in the log and in the masks
     assert max(e["pdm/div/topk_kl_max"] for e in logs) > DELTA
+    assert max(e["pdm/mask/frac_dropped"] for e in logs) > 0 and dropped > 0
     first = logs[0]["pdm/div/topk_kl_mean"]  # step 0: π = the generating weights (HF) or their bf16 engine (vLLM)
     print(f"[trl {'vllm' if use_vllm else 'hf'}] {checked} tokens checked, {dropped} dropped; "
           f"first-step mean D {first:.3g}, max D over steps {max(e['pdm/div/topk_kl_max'] for e in logs):.3g}")

