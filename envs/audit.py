@@ -19,6 +19,17 @@ Contexts (``AuditConfig.contexts``):
                token's ΔD comes from its own update alone — SPEC §3's first-order setting, where
                the matched rules must show unsafe-keep near 0 (the audit's own test).
 
+Audit points (``audit_at``): the policy is trained with plain GRPO under the audited mismatch
+(``audit_points``) and audited at each listed training step, every point a fresh batch; the main
+study is at the last point, over all seeds, and the earlier points (the trajectory) over the
+first ``trajectory_seeds`` seeds. The audit's tensors hold response tokens only (no padding rows).
+
+Per seed and rule the record also holds the interference-only rate (dropped outside tokens whose
+D grew anyway) and, for SGD, where each grown kept disagreement token's first-order ΔD came from
+(``audit_flips``). Verdicts need data (``pdm_lab.audit.data_sufficiency``); a power line gives
+the seeds needed for the paper's 2.7-point difference at the measured per-seed spread; the
+one-token-per-state study is the audit's self-test (``pdm_lab.audit.self_test``).
+
 Studies: a K sweep (the main pair at several K, with μ's tail mass), and the main pair under a
 stress mismatch setting (does the verdict change outside the realistic regime?).
 """
@@ -37,19 +48,24 @@ import torch
 from torch import Tensor, nn
 
 from pdm_lab.advantages import group_advantages
-from pdm_lab.audit import (MEASURED_DIVERGENCES, compare_paired, delta_rates, pooled_diff_ci,
-                           predicted_divergence, rate_summary, regime_table, verdict)
+from pdm_lab.audit import (MEASURED_DIVERGENCES, PAPER_FIGURES, compare_paired, data_sufficiency, delta_rates,
+                           flip_summary, gated_verdict, pooled_diff_ci, predicted_divergence, rate_summary,
+                           regime_table, seeds_for_power, self_test, verdict)
 from pdm_lab.config import MaskConfig, to_dict
 from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, non_negative, one_of, positive  # field checks
 from pdm_lab.masks import get_mask_rule
 
+from pdm_lab.masks import outside_region
+from pdm_lab.support import support_from_full
+
+from .audit_flips import decompose, group_ids
+from .audit_points import TrainedPolicies, plain_config, plain_step
 from .mismatch import Mismatch
-from .policies import POLICY_KINDS, make_policy
+from .policies import POLICY_KINDS
 from .problems import ProblemConfig, make_problem
 from .rollout import RolloutRNG
-from .train import OPTIMIZERS, TrainConfig, make_optimizer
-from pdm_lab.masks import outside_region
-from .update import TokenBatch, current_stats, masked_loss, token_batch
+from .train import OPTIMIZERS, make_optimizer
+from .update import TokenBatch, current_stats, masked_loss
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 CONTEXTS = ("shared", "distinct")
@@ -87,7 +103,25 @@ class AuditConfig:
     mismatch: str = "noise:1"
     """μ's mismatch (see ``mismatch``); the presets use a realistic setting (SPEC §6b)."""
     warmup_steps: Annotated[int, at_least(0)] = 0
-    """plain GRPO steps (rule ``none``, Adam, no mismatch) before the audit, to leave the prior."""
+    """plain GRPO steps (rule ``none``, Adam, no mismatch) before the audited training."""
+    audit_at: tuple[int, ...] = (0,)
+    """training steps at which to audit (plain GRPO under the audited mismatch up to each); the
+    main study is at the last, the others form the trajectory."""
+    trajectory_seeds: Annotated[int, at_least(0)] = 8
+    """seeds audited at the earlier points of ``audit_at``."""
+    train_runs: Annotated[int, at_least(1)] = 1
+    """independently trained policies; audit seed s reads run s mod train_runs."""
+    train_groups: Annotated[int, at_least(1)] = 8
+    """prompts per training step (× group_size sequences)."""
+    train_lr: Annotated[float, positive] = 0.05
+    """Adam's learning rate in the audited training."""
+    context_features: Annotated[int, at_least(0)] = 0
+    """neural policy: hashed context features that overlap across contexts (0: none)."""
+    init_scale: Annotated[float, non_negative] = 0.01
+    """neural policy: std of the output layer's initial weights."""
+    flip_tokens: Annotated[int, at_least(0)] = 64
+    """per seed and rule, at most this many grown kept disagreement tokens are decomposed by cause
+    (SGD only; 0 to skip)."""
     optimizer: str = "sgd"
     """``sgd`` (the update direction SPEC §3 analyses) or ``adam`` (a fresh Adam: a sign step)."""
     lr: Annotated[float, positive] = 1e-3
@@ -121,12 +155,19 @@ class AuditConfig:
         if not self.contexts or any(c not in CONTEXTS for c in self.contexts):
             raise ValueError(f"contexts: each of {', '.join(CONTEXTS)}, got {list(self.contexts)}")
         one_of("optimizer", self.optimizer, OPTIMIZERS)
+        if not self.audit_at or any(s < 0 for s in self.audit_at) or list(self.audit_at) != sorted(set(self.audit_at)):
+            raise ConfigError(f"audit_at: training steps ≥ 0 in increasing order, got {list(self.audit_at)}")
         one_of("policy", self.policy, POLICY_KINDS)
         vocab = self.problem.vocab_size
         for name, ks in (("k", (self.k,)), ("k_sweep", self.k_sweep)):
             if ks and max(ks) > vocab:
                 raise ConfigError(f"{name}: K = {max(ks)} exceeds the vocabulary (problem.{self.problem.kind}"
                                   f".vocab_size = {vocab})")
+
+    @property
+    def main_step(self) -> int:
+        """The training step of the main study (the last audit point)."""
+        return self.audit_at[-1]
 
     def mask(self, rule: str, k: int | None = None) -> MaskConfig:
         return MaskConfig(rule=rule, delta=self.delta, k=self.k if k is None else k,
@@ -162,19 +203,19 @@ class TokenTable(nn.Module):
         return self.base[rows] + self.table[rows]
 
 
-def audit_batch(cfg: AuditConfig, seed: int, mismatch: str | None = None):
+def audit_batch(cfg: AuditConfig, seed: int, mismatch: str | None = None, *, step: int | None = None,
+                policies: TrainedPolicies | None = None):
     """Problem, policy and one fresh batch from μ for `seed` (float32, as a rollout produces).
 
+    The policy is run ``seed mod train_runs`` after `step` plain GRPO steps under the audited
+    mismatch (default: the main study's step; ``policies`` shares the trained runs across seeds).
     With ``stale:s`` in the mismatch, the rollout round has s batches: the policy first takes
     s − 1 plain GRPO steps (rule ``none``, Adam) on the other s − 1, then the audit runs on the
     last one — the off-policy mini-batch of DPPO-style training.
     """
-    problem = make_problem(cfg.problem)
-    policy = make_policy(cfg.policy, problem.encoder, problem.prior, seed=seed, hidden=cfg.hidden)
-    plain = TrainConfig(problem=cfg.problem, policy=cfg.policy, hidden=cfg.hidden,
-                        mask=MaskConfig(rule="none", k=cfg.k, convention=cfg.convention), seed=seed)
-    if cfg.warmup_steps:
-        _plain_steps(plain, problem, policy, Mismatch(), cfg.warmup_steps, RolloutRNG(10_000 + seed))
+    problem = policies.problem if policies is not None else make_problem(cfg.problem)
+    policies = policies or TrainedPolicies(cfg, problem)
+    policy = policies.at(seed % cfg.train_runs, cfg.main_step if step is None else step)
     mismatch = Mismatch.parse(cfg.mismatch if mismatch is None else mismatch)
     rng = RolloutRNG(seed)
     groups = cfg.sequences // cfg.group_size
@@ -182,35 +223,26 @@ def audit_batch(cfg: AuditConfig, seed: int, mismatch: str | None = None):
                for _ in range(mismatch.stale_steps - 1)]
     batch = problem.collect(policy, mismatch, groups, cfg.group_size, rng)
     if earlier:
+        plain = plain_config(cfg)
         opt = make_optimizer(plain.optimizer, policy.parameters(), plain.lr)
         for old in earlier:
-            _plain_step(plain, policy, opt, old)
+            plain_step(plain, policy, opt, old)
     return problem, policy, batch, group_advantages(batch.rewards, batch.groups)
 
 
-def _plain_step(plain: TrainConfig, policy, opt, batch) -> None:
-    tokens = token_batch(batch, group_advantages(batch.rewards, batch.groups), plain.mask)
-    out = masked_loss(policy, tokens, plain.mask)
-    opt.zero_grad(set_to_none=True)
-    out.loss.backward()
-    opt.step()
-
-
-def _plain_steps(plain: TrainConfig, problem, policy, mismatch: Mismatch, steps: int,
-                 rng: RolloutRNG) -> None:
-    """A few plain on-policy GRPO steps (the audit then starts mid-training, as the paper's)."""
-    opt = make_optimizer(plain.optimizer, policy.parameters(), plain.lr)
-    for _ in range(steps):
-        batch = problem.collect(policy, mismatch, plain.groups_per_step, plain.group_size, rng)
-        _plain_step(plain, policy, opt, batch)
-
-
 def float64_tokens(batch, advantages: Tensor, mask: MaskConfig) -> TokenBatch:
-    """The batch for the measurement: μ cast to float64 (and renormalised there: a float32 μ's
-    mass is 1 only to float32 rounding) before its support is built."""
-    batch64 = dataclasses.replace(batch, mu_logp=torch.log_softmax(batch.mu_logp.to(PRECISION), dim=-1))
-    tokens = token_batch(batch64, advantages, mask)
-    return dataclasses.replace(tokens, advantages=tokens.advantages.to(PRECISION))
+    """The batch for the measurement, compact: one row per response token (no padding rows), as
+    an [M, 1] layout, with μ cast to float64 (and renormalised there: a float32 μ's mass is 1
+    only to float32 rounding) before its support is built. Every audited rule is per token and
+    the audited loss is the token sum, so the layout changes no figure."""
+    b, t, n = batch.mu_logp.shape
+    rows = torch.nonzero(batch.response_mask.reshape(-1))[:, 0]
+    mu = torch.log_softmax(batch.mu_logp.reshape(b * t, n)[rows].to(PRECISION), dim=-1)
+    support = support_from_full(mu, batch.tokens.reshape(-1)[rows], k=mask.k, convention=mask.convention)
+    adv = advantages.to(PRECISION)[rows // t]
+    m = rows.numel()
+    return TokenBatch(obs=batch.obs.reshape(b * t, -1)[rows], support=support, mu_full=mu,
+                      advantages=adv.view(m, 1), response_mask=torch.ones(m, 1, dtype=torch.bool))
 
 
 def audit_model(policy: nn.Module, tokens: TokenBatch, contexts: str,
@@ -321,18 +353,55 @@ def _table(inputs: tuple) -> dict:
     return regime_table(d, outside, considered, topk_mass=mass, entropy=entropy, tokens_per_state=tps)
 
 
+def coupling(model: nn.Module, tokens: TokenBatch, focus: Tensor) -> dict:
+    """How many batch tokens share trainable parameters with an outside token, beside tokens per
+    context and per trainable state (the input the trainable part reads).
+
+    ``same_state_per_outside``: per outside token, the other batch tokens with its trainable state
+    (mean); ``same_state_tokens``: batch tokens sharing a trainable state with some outside token;
+    ``share_feature_tokens``: batch tokens sharing ≥ 1 active input feature with some outside token
+    (the neural policy: one input row of W₁ serves all of them; the output head serves every token)."""
+    context, state = group_ids(model, tokens)
+    n = tokens.num_tokens
+    out = {"tokens": n, "tokens_per_context": n / max(1, int(context.max()) + 1 if n else 1),
+           "tokens_per_trainable_state": n / max(1, int(state.max()) + 1 if n else 1),
+           "outside": int(focus.numel())}
+    if focus.numel() == 0:
+        return {**out, "same_state_per_outside": float("nan"), "same_state_tokens": 0, "share_feature_tokens": 0}
+    sizes = torch.bincount(state, minlength=int(state.max()) + 1)
+    hit = torch.zeros_like(sizes, dtype=torch.bool)
+    hit[state[focus]] = True
+    out["same_state_per_outside"] = float((sizes[state[focus]] - 1).double().mean())
+    out["same_state_tokens"] = int(hit[state].sum())
+    if hasattr(model, "features"):
+        with torch.no_grad():
+            x = model.features(tokens.obs) != 0
+        active = x[focus].any(dim=0)
+        out["share_feature_tokens"] = int((x & active).any(dim=1).sum())
+    else:
+        out["share_feature_tokens"] = out["same_state_tokens"]
+    return out
+
+
 def study(cfg: AuditConfig, model: nn.Module, tokens: TokenBatch, focus: Tensor,
-          k: int | None = None) -> dict:
+          k: int | None = None, *, flips: bool = False) -> dict:
     """Every rule's step on one float64 model; per pair, the disagreement and each rule's rates.
 
-    ``focus``: the rows outside the region with Â ≠ 0 (the only tokens the pairs score)."""
+    ``focus``: the rows outside the region with Â ≠ 0 (the only tokens the pairs score). Per rule
+    also the interference-only rate (its dropped outside tokens whose D grew anyway) and, with
+    `flips` (SGD), the cause split of its grown kept disagreement tokens in the main pair."""
     before = measure(model, tokens.rows(focus))
     cache: dict = {}
     steps = {rule: rule_step(model, tokens, cfg.mask(rule, k), cfg, focus, before, cache)
              for rule in cfg.all_rules}
     outside = torch.zeros(tokens.num_tokens, dtype=torch.bool)
     outside[focus] = True
-    record = {"outside": int(focus.numel()), "distinct_steps": len(cache), "pairs": {}}
+    record = {"outside": int(focus.numel()), "distinct_steps": len(cache), "pairs": {}, "interference": {},
+              "flips": {}}
+    for rule in cfg.all_rules:
+        scored = predicted_divergence(get_mask_rule(rule))
+        record["interference"][rule] = delta_rates(steps[rule].delta[scored], outside & ~steps[rule].keep,
+                                                   cfg.tolerance)
     for a, b in cfg.pairs:
         disagree = outside & (steps[a].keep != steps[b].keep)
         entry = {"disagreement": int(disagree.sum())}
@@ -340,15 +409,22 @@ def study(cfg: AuditConfig, model: nn.Module, tokens: TokenBatch, focus: Tensor,
             kept = disagree & steps[rule].keep
             entry[rule] = {name: delta_rates(steps[rule].delta[name], kept, cfg.tolerance)
                            for name in MEASURED_DIVERGENCES}
+            if flips and (a, b) == tuple(cfg.rules) and cfg.optimizer == "sgd" and cfg.flip_tokens:
+                scored = predicted_divergence(get_mask_rule(rule))
+                grew = torch.nonzero(kept & (steps[rule].delta[scored] > cfg.tolerance))[:, 0][:cfg.flip_tokens]
+                record["flips"][rule] = decompose(model, tokens, cfg.mask(rule, k), cfg.lr, steps[rule].keep,
+                                                  grew, scored, measure)
         record["pairs"][f"{a}|{b}"] = entry
     return record
 
 
 def audit_seed(cfg: AuditConfig, seed: int, *, k: int | None = None, mismatch: str | None = None,
-               contexts: tuple[str, ...] | None = None, keep_d: list | None = None) -> dict:
-    """The audit on one seed's batch, for each contexts setting; appends the regime inputs to
-    `keep_d` if given."""
-    _, policy, batch, adv = audit_batch(cfg, seed, mismatch)
+               contexts: tuple[str, ...] | None = None, keep_d: list | None = None, step: int | None = None,
+               policies: TrainedPolicies | None = None) -> dict:
+    """The audit on one seed's batch at training step `step` (default: the main study's), for
+    each contexts setting; appends the regime inputs to `keep_d` if given."""
+    step = cfg.main_step if step is None else step
+    _, policy, batch, adv = audit_batch(cfg, seed, mismatch, step=step, policies=policies)
     ref_mask = cfg.mask(cfg.rules[0], k)
     tokens = float64_tokens(batch, adv, ref_mask)
     resp = tokens.response_mask.reshape(-1)
@@ -360,13 +436,16 @@ def audit_seed(cfg: AuditConfig, seed: int, *, k: int | None = None, mismatch: s
     inputs = _regime_inputs(tokens, stats.topk_kl, outside, considered, ref_mask.k, resp)
     if keep_d is not None:
         keep_d.append(inputs)
-    record = {"seed": seed, "tokens": int(resp.sum()), "zero_advantage": int((resp & ~considered).sum()),
+    record = {"seed": seed, "step": step, "train_run": seed % cfg.train_runs, "tokens": int(resp.sum()),
+              "zero_advantage": int((resp & ~considered).sum()),
               "outside": int(focus.numel()), "mu_tail": _quantiles(stats.mu_tail[resp]),
               "regime": _table(inputs), "contexts": {}}
-    for ctx in contexts or cfg.contexts:
+    for i, ctx in enumerate(contexts or cfg.contexts):
         model, tok, foc = audit_model(policy, tokens, ctx, focus)
-        rec = study(cfg, model, tok, foc, k)
+        rec = study(cfg, model, tok, foc, k, flips=ctx == "shared" and i == 0)
         rec["tokens_per_state"] = inputs[5] if ctx == "shared" else 1.0
+        if ctx == "shared":
+            rec["coupling"] = coupling(model, tok, foc)
         record["contexts"][ctx] = rec
     return record
 
@@ -402,6 +481,12 @@ def summarize_pairs(cfg: AuditConfig, per_seed: list[dict], contexts: str) -> li
         pair["unsafe_keep_diff_by_divergence"] = {
             name: compare_paired(pair[a][name]["unsafe_keep_per_seed"], pair[b][name]["unsafe_keep_per_seed"],
                                  n_boot=cfg.n_boot) for name in MEASURED_DIVERGENCES}
+        pair["audit_step"] = per_seed[0].get("step", cfg.main_step) if per_seed else cfg.main_step
+        pair["data"] = data_sufficiency(pair[a]["count_per_seed"], pair[b]["count_per_seed"])
+        pair["verdict"] = gated_verdict(pair["unsafe_keep_diff"], a, b, pair["data"])
+        pair["pooled_verdict"] = gated_verdict(pair["pooled_unsafe_keep_diff"], a, b, pair["data"])
+        pair["power"] = seeds_for_power([x - y for x, y in zip(pair[a]["unsafe_keep_per_seed"],
+                                                                pair[b]["unsafe_keep_per_seed"])])
         out.append(pair)
     return out
 
@@ -432,11 +517,12 @@ def _main_pair_summary(cfg: AuditConfig, per_seed: list[dict], contexts: str) ->
 def _k_sweep(cfg: AuditConfig, progress=None) -> list[dict]:
     rows = []
     sweep_cfg = replace(cfg, extra_rules=())
+    policies = TrainedPolicies(sweep_cfg, make_problem(cfg.problem))
     a, b = cfg.rules
     for k in cfg.k_sweep:
         per_seed = []
         for seed in range(cfg.first_seed, cfg.first_seed + cfg.k_sweep_seeds):
-            per_seed.append(audit_seed(sweep_cfg, seed, k=k, contexts=cfg.contexts[:1]))
+            per_seed.append(audit_seed(sweep_cfg, seed, k=k, contexts=cfg.contexts[:1], policies=policies))
             if progress:
                 progress()
         summary = _main_pair_summary(cfg, per_seed, cfg.contexts[0])
@@ -456,13 +542,15 @@ def _stress(cfg: AuditConfig, main: dict, progress=None, seed_dir=None) -> dict:
     """The main pair under the stress mismatch: its figures, and whether the verdict changes."""
     per_seed, pooled = [], []
     stress_cfg = replace(cfg, mismatch=cfg.stress_mismatch, extra_rules=(), contexts=cfg.contexts[:1])
+    store = seed_dir and Path(seed_dir) / "stress"
+    policies = TrainedPolicies(stress_cfg, make_problem(cfg.problem), store and store / "policies")
     for seed in range(cfg.first_seed, cfg.first_seed + cfg.stress_seeds):
-        per_seed.append(_audit_seed_resumable(stress_cfg, seed, seed_dir and Path(seed_dir) / "stress", pooled))
+        per_seed.append(_audit_seed_resumable(stress_cfg, seed, store, pooled, policies=policies))
         if progress:
             progress()
     pair = _main_pair_summary(cfg, per_seed, cfg.contexts[0])
     a, b = cfg.rules
-    now, then = verdict(pair["unsafe_keep_diff"], a, b), verdict(main["unsafe_keep_diff"], a, b)
+    now, then = pair["verdict"], main["verdict"]
     return {"mismatch": cfg.stress_mismatch, "seeds": cfg.stress_seeds, "pair": pair,
             "outside_mean": sum(s["outside"] for s in per_seed) / max(1, len(per_seed)),
             "tokens_mean": sum(s["tokens"] for s in per_seed) / max(1, len(per_seed)),
@@ -483,19 +571,46 @@ def seed_key(cfg: AuditConfig) -> str:
     return json.dumps(doc, sort_keys=True, default=str)
 
 
-def _audit_seed_resumable(cfg: AuditConfig, seed: int, seed_dir, pooled: list) -> dict:
-    """``audit_seed``, stored in ``seed_dir/seed_<s>.pt`` as soon as it is done and read back on a
-    rerun with the same configuration (so a killed 61-seed audit loses only the seed in flight)."""
+class SeedRecordError(ValueError):
+    """A stored seed record that is not one pdm_lab wrote (refused, never executed)."""
+
+
+def _load_seed_record(path: Path) -> dict:
+    """A seed record written by ``_audit_seed_resumable``: tensors, numbers, strings and
+    containers only (``weights_only=True``), so a crafted pickle runs no code; it is refused."""
+    import pickle
+
+    try:
+        saved = torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError) as err:
+        raise SeedRecordError(f"{path}: not a pdm_lab seed record, refused ({type(err).__name__}); "
+                              "delete it to recompute that seed") from None
+    if not isinstance(saved, dict) or not {"config", "record", "inputs"} <= set(saved):
+        raise SeedRecordError(f"{path}: not a pdm_lab seed record (keys config, record, inputs), refused")
+    return saved
+
+
+def _audit_seed_resumable(cfg: AuditConfig, seed: int, seed_dir, pooled: list | None, *,
+                          step: int | None = None, policies: TrainedPolicies | None = None,
+                          contexts: tuple[str, ...] | None = None) -> dict:
+    """``audit_seed``, stored in ``seed_dir/seed_<s>[_at_<step>].pt`` as soon as it is done and
+    read back on a rerun with the same configuration (so a killed 61-seed audit loses only the
+    seed in flight). ``pooled``: appended the regime inputs, if given."""
+    step = cfg.main_step if step is None else step
     path = _seed_path(seed_dir, seed)
-    key = seed_key(cfg)
+    if path is not None and step != cfg.main_step:
+        path = path.with_name(f"seed_{seed}_at_{step}.pt")
+    key = seed_key(cfg) + json.dumps({"step": step, "contexts": list(contexts or cfg.contexts)})
     if path is not None and path.exists():
-        saved = torch.load(path, weights_only=False)
-        if saved.get("config") == key:
-            pooled.append(saved["inputs"])
+        saved = _load_seed_record(path)
+        if saved["config"] == key:
+            if pooled is not None:
+                pooled.append(tuple(saved["inputs"]))
             return saved["record"]
     inputs: list = []
-    record = audit_seed(cfg, seed, keep_d=inputs)
-    pooled.extend(inputs)
+    record = audit_seed(cfg, seed, keep_d=inputs, step=step, policies=policies, contexts=contexts)
+    if pooled is not None:
+        pooled.extend(inputs)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -504,18 +619,99 @@ def _audit_seed_resumable(cfg: AuditConfig, seed: int, seed_dir, pooled: list) -
     return record
 
 
+def _peak_rss_gb() -> float:
+    """Peak resident memory of this process so far (GB; Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def _trajectory(cfg: AuditConfig, policies: TrainedPolicies, main: dict, seed_dir, tick) -> list[dict]:
+    """The main pair at every audit point (earlier points over the first ``trajectory_seeds``
+    seeds, the main point from the main study)."""
+    points = []
+    seeds = range(cfg.first_seed, cfg.first_seed + min(cfg.trajectory_seeds, cfg.seeds))
+    traj_cfg = replace(cfg, extra_rules=())
+    for step in cfg.audit_at[:-1]:
+        per_seed = []
+        for seed in seeds:
+            per_seed.append(_audit_seed_resumable(traj_cfg, seed, seed_dir, None, step=step, policies=policies,
+                                                  contexts=cfg.contexts[:1]))
+            if tick:
+                tick()
+        if per_seed:
+            points.append(_point(cfg, per_seed, _main_pair_summary(cfg, per_seed, cfg.contexts[0])))
+    return points + [_point(cfg, main["per_seed"], main["pair"])]
+
+
+def _point(cfg: AuditConfig, per_seed: list[dict], pair: dict) -> dict:
+    a, b = pair["a"], pair["b"]
+    return {"step": pair["audit_step"], "seeds": len(per_seed),
+            "outside_mean": sum(s["outside"] for s in per_seed) / max(1, len(per_seed)),
+            "tokens_mean": sum(s["tokens"] for s in per_seed) / max(1, len(per_seed)),
+            "disagreement_mean": pair["disagreement_mean"], "verdict": pair["verdict"], "data": pair["data"],
+            "unsafe_keep_diff": pair["unsafe_keep_diff"], "pooled_unsafe_keep_diff": pair["pooled_unsafe_keep_diff"],
+            **{rule: {key: pair[rule][key] for key in ("unsafe_keep_pooled", "shrink_pooled", "unsafe_keep_mean",
+                                                       "shrink_mean", "kept_disagreement_tokens")}
+               for rule in (a, b)}}
+
+
+def flip_decomposition(cfg: AuditConfig, per_seed: list[dict], contexts: str) -> dict:
+    """Per rule of the main pair: the cause split of its grown kept disagreement tokens (pooled
+    over seeds) and its interference-only rate (dropped outside tokens that grew anyway)."""
+    from pdm_lab.audit import pool
+
+    out = {}
+    for rule in cfg.all_rules:
+        blocks = [s["contexts"][contexts] for s in per_seed]
+        terms = [t for blk in blocks for t in blk.get("flips", {}).get(rule, [])]
+        entry = {"interference_only": pool(blk["interference"][rule] for blk in blocks if rule in blk.get("interference", {}))}
+        if rule in cfg.rules:
+            entry["causes"] = flip_summary(terms)
+            entry["first_order_check"] = _first_order_check(terms)
+        out[rule] = entry
+    return out
+
+
+def _first_order_check(terms: list[dict]) -> dict:
+    """How well the cause terms add up to the first-order total (max relative gap)."""
+    gaps = [abs(sum(t[c] for c in ("own", "context", "state", "rest")) - t["total"]) / max(abs(t["total"]), 1e-300)
+            for t in terms]
+    return {"tokens": len(terms), "max_relative_gap": max(gaps) if gaps else float("nan")}
+
+
+def paper_side_by_side(pair: dict) -> dict:
+    """The main pair next to the paper's figures (SPEC §6): per-seed mean unsafe-keep and shrink
+    of each rule, seeds where B is lower, the paired CI and the sign test."""
+    a, b = pair["a"], pair["b"]
+    d, sh = pair["unsafe_keep_diff"], pair["shrink_diff"]
+    return {"paper": PAPER_FIGURES, "a": a, "b": b,
+            "unsafe_keep_mean": {a: pair[a]["unsafe_keep_mean"], b: pair[b]["unsafe_keep_mean"]},
+            "shrink_mean": {a: pair[a]["shrink_mean"], b: pair[b]["shrink_mean"]},
+            "unsafe_keep_pooled": {a: pair[a]["unsafe_keep_pooled"], b: pair[b]["unsafe_keep_pooled"]},
+            "shrink_pooled": {a: pair[a]["shrink_pooled"], b: pair[b]["shrink_pooled"]},
+            "b_lower_seeds": d["b_lower_seeds"], "a_lower_seeds": d["a_lower_seeds"], "ties": d["ties"],
+            "seeds_used": d["seeds_used"], "unsafe_keep_diff": d, "shrink_diff": sh,
+            "verdict": pair["verdict"], "power": pair["power"]}
+
+
 def run_audit(cfg: AuditConfig, *, progress_bar: bool = False, seed_dir=None) -> dict:
-    """The audit and its studies; returns the audit.json document (``seed_dir``: resume store)."""
+    """The audit and its studies; returns the audit.json document (``seed_dir``: resume store,
+    also of the trained policies)."""
     start = time.perf_counter()
-    total = cfg.seeds + len(cfg.k_sweep) * cfg.k_sweep_seeds + (cfg.stress_seeds if cfg.stress_mismatch else 0)
+    trajectory_seeds = min(cfg.trajectory_seeds, cfg.seeds) * (len(cfg.audit_at) - 1)
+    total = (cfg.seeds + trajectory_seeds + len(cfg.k_sweep) * cfg.k_sweep_seeds
+             + (cfg.stress_seeds if cfg.stress_mismatch else 0))
     bar = None
     if progress_bar:
         from tqdm import tqdm
         bar = tqdm(total=total, desc="audit", unit="seed")
     tick = bar.update if bar else None
+    problem = make_problem(cfg.problem)
+    policies = TrainedPolicies(cfg, problem, None if seed_dir is None else Path(seed_dir) / "policies")
     per_seed, pooled = [], []
     for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):
-        per_seed.append(_audit_seed_resumable(cfg, seed, seed_dir, pooled))
+        per_seed.append(_audit_seed_resumable(cfg, seed, seed_dir, pooled, policies=policies))
         if tick:
             tick()
     main_s = time.perf_counter() - start
@@ -524,31 +720,51 @@ def run_audit(cfg: AuditConfig, *, progress_bar: bool = False, seed_dir=None) ->
         pairs = summarize_pairs(cfg, per_seed, ctx)
         contexts[ctx] = {"pairs": pairs, "per_rule": per_rule(pairs),
                          "tokens_per_state_mean": sum(s["contexts"][ctx]["tokens_per_state"] for s in per_seed) / max(1, len(per_seed))}
-    main = contexts[cfg.contexts[0]]
+    if "distinct" in contexts:
+        contexts["distinct"]["self_test"] = self_test(contexts["distinct"]["per_rule"])
+    main_ctx = cfg.contexts[0]
+    main = contexts[main_ctx]
+    if main_ctx == "shared":
+        main["coupling"] = _mean_coupling([s["contexts"]["shared"]["coupling"] for s in per_seed])
+    main["flips"] = flip_decomposition(cfg, per_seed, main_ctx)
     regime = _pooled_regime(pooled)
+    trajectory = _trajectory(cfg, policies, {"per_seed": per_seed, "pair": main["pairs"][0]}, seed_dir, tick)
     studies = {"k_sweep": _k_sweep(cfg, progress=tick) if cfg.k_sweep else [],
                "stress": _stress(cfg, main["pairs"][0], progress=tick, seed_dir=seed_dir) if cfg.stress_mismatch else None}
     if bar:
         bar.close()
+    wall = time.perf_counter() - start
     return {
         "config": to_dict(cfg),
         "rules": list(cfg.all_rules),
         "precision": "float64",
         "step": cfg.step_doc(),
         "tolerance": cfg.tolerance,
-        "main_contexts": cfg.contexts[0],
+        "audit_step": cfg.main_step,
+        "main_contexts": main_ctx,
         "pairs": main["pairs"],
         "per_rule": main["per_rule"],
         "contexts": contexts,
+        "self_test": contexts.get("distinct", {}).get("self_test"),
+        "coupling": main.get("coupling"),
+        "flips": main["flips"],
+        "paper_side_by_side": paper_side_by_side(main["pairs"][0]),
+        "trajectory": trajectory,
         "regime": regime,
         "per_seed": per_seed,
         "studies": studies,
         "outside_mean": sum(s["outside"] for s in per_seed) / max(1, len(per_seed)),
         "tokens_mean": sum(s["tokens"] for s in per_seed) / max(1, len(per_seed)),
         "zero_advantage_mean": sum(s["zero_advantage"] for s in per_seed) / max(1, len(per_seed)),
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall,
         "main_audit_wall_s": main_s,
+        "peak_rss_gb": _peak_rss_gb(),
     }
+
+
+def _mean_coupling(rows: list[dict]) -> dict:
+    keys = [k for k in rows[0] if isinstance(rows[0][k], (int, float))] if rows else []
+    return {k: sum(float(r[k]) for r in rows) / len(rows) for k in keys}
 
 
 def _pooled_regime(pooled: list[tuple]) -> dict | None:

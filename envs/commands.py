@@ -5,7 +5,7 @@ keys (``--config``), then ``key.path=value`` overrides (YAML values), as ``pdm-l
 
     pdm-lab sweep --preset quick rules=[dppo_topk_kl,pdm_topk] mismatches=[none,noise:1] \\
         deltas=[0.05,0.15] base.steps=20 base.problem.kind=token_mdp --seeds 4
-    pdm-lab audit --preset quick sequences=256 k_sweep=[] single_token=false
+    pdm-lab audit --preset quick sequences=256 k_sweep=[] contexts=[shared]
 
 Each command is one ``register_<name>(subparsers)`` function, declared as an entry point in
 ``pyproject.toml`` (group ``pdm_lab.commands``) and found by the ``pdm-lab`` CLI.
@@ -81,7 +81,7 @@ def register_audit(subparsers) -> None:
                     "outside the region where two rules disagree, how often each rule's kept tokens grew D. "
                     "Writes audit.json, audit.md and figures. Fields: see AuditConfig (pdm_lab.envs.audit); "
                     "e.g. rules=[dppo_topk_kl,pdm_topk] sequences=256 problem.kind=bandit k_sweep=[] "
-                    "single_token=false.")
+                    "contexts=[shared].")
     _add_config_arguments(p, AUDIT_PRESETS, "paper", "AuditConfig")
     p.add_argument("--contexts", nargs="+", choices=("shared", "distinct"),
                    help="shared (the batch's own states) and/or distinct (one token per state); the "
@@ -150,6 +150,9 @@ def audit_main(args: argparse.Namespace) -> int:
     print(f"unsafe-keep {a} {pair[a]['unsafe_keep_mean']:.3f} vs {b} {pair[b]['unsafe_keep_mean']:.3f}; "
           f"A − B {d['mean_diff']:.3f} [{d['ci_low']:.3f}, {d['ci_high']:.3f}], sign test p = {d['sign_test_p']:.3g} "
           f"({d['b_lower_seeds']} of {d['seeds_used']} seeds lower for {b}); {doc['wall_s']:.1f} s")
+    print(f"main study at training step {pair['audit_step']}: {doc['outside_mean']:.1f} outside and "
+          f"{pair['disagreement_mean']:.1f} disagreement tokens per seed; verdict: {pair['verdict']}")
+    print(f"wall time {doc['wall_s']:.1f} s, peak memory {doc['peak_rss_gb']:.2f} GB")
     print(f"audit written to {out / 'audit.json'} (summary: {out / 'audit.md'})")
     return 0
 

@@ -15,6 +15,7 @@ A mismatch is a ``+``-joined list of ``kind:strength`` sources, applied in order
 | ``bf16_engine`` | m ≥ 0 | the network run like a bf16 engine: weights, buffers, hidden activations and logits (at magnitude m) rounded to bf16 |
 | ``fp8_engine`` | m ≥ 0 | as an FP8 (W8A8) engine: hidden matmul weights e4m3 with 128×128 block scales, hidden activations e4m3 with 1×128 group scales; output layer, prior and logits bf16 |
 | ``lognormal`` | σ ≥ 0 (``lognormal:σ:s``) | z + σ_c·ξ_c, σ_c = σ·exp(s·Z_c): per-context error scale log-normal, heavy tail knob s (default ``LOGNORMAL_TAIL``) |
+| ``outlier`` | σ ≥ 0 (``outlier:σ:s``) | z + σ·exp(s·Z(h))·ĥE: the engine's output-layer error, a function of the hidden activations h (neural policy only) |
 
 ``<dtype>`` ∈ {bf16, fp16, fp8_e4m3, fp8_e5m2}; q is a real torch cast there and back
 (``torch.bfloat16``, ``torch.float16``, ``torch.float8_e4m3fn``, ``torch.float8_e5m2``). FP8
@@ -35,7 +36,12 @@ hashed; the hash picks a fixed N(0, 1) error vector ξ_c over the vocabulary and
 Z_c; μ's logits are z + σ·exp(s·Z_c)·ξ_c. σ is the median error scale, s the tail knob: D scales
 like σ_c², so log D has spread ≈ 2s and p99.9/p50 of D grows like exp(6.2·s) (s = 0: every
 context equally perturbed, a light tail; s = 1: three orders of magnitude between median and
-p99.9). The noise kinds ``noise``/``tail_noise`` (fresh per row) are kept as stress settings.
+p99.9). ``outlier`` is the same family correlated across contexts the way an engine's error is:
+ξ and Z are functions of the shared hidden activations h instead of a hash, ĥ = h/‖h‖,
+ξ(h) = ĥE with E a fixed N(0, 1) [H, n] matrix (an output-layer rounding error; each entry of
+ξ is N(0, 1), and contexts with similar activations get similar errors), and
+Z(h) = √H·⟨ĥ, u⟩ for a fixed unit vector u (an activation-outlier direction that scales the
+error). The noise kinds ``noise``/``tail_noise`` (fresh per row) are kept as stress settings.
 """
 from __future__ import annotations
 
@@ -61,7 +67,8 @@ LOGIT_KINDS = ("noise", "temperature", "tail_noise", *DTYPES)
 WEIGHT_KINDS = tuple(f"{name}_weights" for name in DTYPES)
 ENGINE_KINDS = ("bf16_engine", "fp8_engine")
 CONTEXT_KINDS = ("lognormal",)
-MISMATCH_KINDS = ("none", *LOGIT_KINDS, *WEIGHT_KINDS, *ENGINE_KINDS, *CONTEXT_KINDS, "stale")
+ACTIVATION_KINDS = ("outlier",)
+MISMATCH_KINDS = ("none", *LOGIT_KINDS, *WEIGHT_KINDS, *ENGINE_KINDS, *CONTEXT_KINDS, *ACTIVATION_KINDS, "stale")
 STOCHASTIC_KINDS = ("noise", "tail_noise")
 
 #: default tail knob s of ``lognormal`` (σ_c = σ·exp(s·Z_c)).
@@ -89,6 +96,20 @@ def lognormal_error(context: Tensor, n: int, sigma: float, tail: float) -> Tenso
     z = torch.special.ndtri(u)
     scale = sigma * torch.exp(tail * z)
     return (scale[:, None] * _error_table(n)[context % LOGNORMAL_ROWS].double()).float()
+
+
+def outlier_error(hidden: int, n: int, sigma: float, tail: float):
+    """The ``outlier`` kind's h → [B, n] logit error σ·exp(s·Z(h))·ĥE (module docstring)."""
+    gen = torch.Generator().manual_seed(20_261_202)
+    table = torch.randn(hidden, n, generator=gen, dtype=torch.float64)
+    direction = torch.randn(hidden, generator=gen, dtype=torch.float64)
+    direction = direction / direction.norm()
+
+    def error(h: Tensor) -> Tensor:
+        unit = h.double() / h.double().norm(dim=1, keepdim=True).clamp(min=1e-30)
+        z = hidden ** 0.5 * (unit @ direction)
+        return (sigma * torch.exp(tail * z)[:, None] * (unit @ table)).to(h.dtype)
+    return error
 
 
 def engine_round(kind: str, magnitude: float = 0.0):
@@ -153,8 +174,8 @@ class MismatchSource:
             raise ConfigError(f"stale: strength is an optimiser-step count ≥ 1, got {self.strength}")
         if self.kind not in ("temperature",) and self.strength < 0:
             raise ConfigError(f"{self.kind}: strength must be ≥ 0, got {self.strength}")
-        if self.tail is not None and (self.kind not in CONTEXT_KINDS or self.tail < 0):
-            raise ConfigError(f"{self.kind}: a tail knob is for lognormal only, and must be ≥ 0")
+        if self.tail is not None and (self.kind not in CONTEXT_KINDS + ACTIVATION_KINDS or self.tail < 0):
+            raise ConfigError(f"{self.kind}: a tail knob is for lognormal and outlier only, and must be ≥ 0")
 
     def __str__(self) -> str:
         tail = "" if self.tail is None else f":{self.tail:g}"
@@ -204,11 +225,17 @@ class Mismatch:
     @torch.no_grad()
     def behaviour_copy(self, policy: nn.Module) -> nn.Module:
         """The rollout engine's copy of π: the policy itself, or a deep copy with rounded weights."""
-        weight_sources = [s for s in self.sources if s.kind in WEIGHT_KINDS + ENGINE_KINDS]
+        weight_sources = [s for s in self.sources if s.kind in WEIGHT_KINDS + ENGINE_KINDS + ACTIVATION_KINDS]
         if not weight_sources:
             return policy
         engine = copy.deepcopy(policy)
         for source in weight_sources:
+            if source.kind in ACTIVATION_KINDS:
+                if not hasattr(engine, "w2"):
+                    raise ConfigError(f"{source}: needs the neural policy's hidden activations (policy=neural)")
+                tail = LOGNORMAL_TAIL if source.tail is None else source.tail
+                engine.output_error = outlier_error(engine.w2.shape[0], engine.w2.shape[1], source.strength, tail)
+                continue
             named = [(n, t) for n, t in [*engine.named_parameters(), *engine.named_buffers()]
                      if t.is_floating_point()]
             tensors = [t for _, t in named]

@@ -131,6 +131,9 @@ def audit_figures(doc: dict, out: Path) -> dict[str, Path]:
     ax.set_xlim(-0.02, 1.02)
     ax.set_ylim(-0.02, 1.02)
     figs["audit_per_seed"] = _save(fig, out / "audit_per_seed.png")
+    points = doc.get("trajectory") or []
+    if points:
+        figs["audit_trajectory"] = audit_trajectory(points, (a, b), out / "audit_trajectory.png")
     ks = doc["studies"].get("k_sweep") or []
     if ks:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
@@ -154,3 +157,30 @@ def audit_figures(doc: dict, out: Path) -> dict[str, Path]:
         ax2.grid(alpha=0.3)
         figs["audit_k_sweep"] = _save(fig, out / "audit_k_sweep.png")
     return figs
+
+
+def audit_trajectory(points: list[dict], rules: tuple[str, ...], path: Path) -> Path:
+    """Unsafe-keep of each rule (pooled over the point's seeds, Wilson 95% CI over its kept
+    disagreement tokens) against the training step of the audit point."""
+    fig, ax = plt.subplots(figsize=(5.2, 3.8))
+    colors = _colors(list(rules))
+    for rule in rules:
+        xs, ys, lo, hi = [], [], [], []
+        for p in points:
+            kept, rate = p[rule]["kept_disagreement_tokens"], p[rule]["unsafe_keep_pooled"]
+            if not kept or rate is None or math.isnan(rate):
+                continue
+            low, high = wilson_ci(round(rate * kept), kept)[1:]
+            xs.append(p["step"])
+            ys.append(rate)
+            lo.append(low)
+            hi.append(high)
+        if xs:
+            ax.plot(xs, ys, "o-", color=colors[rule], label=rule, lw=1.5, ms=4)
+            ax.fill_between(xs, lo, hi, color=colors[rule], alpha=0.18)
+    ax.set_xlabel("training step of the audit point (plain GRPO under the mismatch)")
+    ax.set_ylabel("unsafe-keep on disagreement tokens")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -11,22 +11,54 @@ argument of SPEC §3 ignores, so the audit can measure it.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 
 from pdm_lab.config import one_of
 
+from .encoders import ngram_features
+
 POLICY_KINDS = ("tabular", "neural")
 
 
+#: (id(obs), what) → (weak reference to obs, its version, the value): the audit runs many forward
+#: passes over one large batch, and a token-MDP observation's encoding reads every slot.
+_INPUT_CACHE: dict = {}
+_INPUT_CACHE_SIZE = 8
+
+
+def _cached(obs: Tensor, what: tuple, compute):
+    """compute(obs), reused while `obs` is the same, unmodified tensor (checked by weak reference
+    and version counter, so a freed or edited tensor is never served stale)."""
+    key = (id(obs), *what)
+    hit = _INPUT_CACHE.get(key)
+    if hit is not None and hit[0]() is obs and hit[1] == obs._version:
+        return hit[2]
+    value = compute(obs)
+    if len(_INPUT_CACHE) >= _INPUT_CACHE_SIZE:
+        _INPUT_CACHE.pop(next(iter(_INPUT_CACHE)))
+    _INPUT_CACHE[key] = (weakref.ref(obs), obs._version, value)
+    return value
+
+
+def _encoder_key(encoder) -> tuple:
+    """What identifies an encoder across deep copies of a policy (each copy has its own object)."""
+    return (type(encoder).__name__, encoder.num_states, encoder.feature_dim, getattr(encoder, "prior_rows", 0))
+
+
 def _prior_rows(encoder, obs: Tensor) -> Tensor:
-    return encoder.prior_index(obs) if hasattr(encoder, "prior_index") else encoder.state_index(obs)
+    index = encoder.prior_index if hasattr(encoder, "prior_index") else encoder.state_index
+    return _cached(obs, ("prior_rows", *_encoder_key(encoder)), index)
 
 
 class _Rounding:
-    """``activation_round`` hook: None in the trainer, the engine's rounding in its copy."""
+    """Engine hooks, None in the trainer: ``activation_round`` (the engine's rounding) and
+    ``output_error`` (h → [B, n] logit error, a function of the hidden activations h)."""
 
     activation_round = None
+    output_error = None
 
     def _act(self, x: Tensor, *, logits: bool = False) -> Tensor:
         return x if self.activation_round is None else self.activation_round(x, logits=logits)
@@ -48,12 +80,13 @@ class TabularPolicy(_Rounding, nn.Module):
 
     def forward(self, obs: Tensor) -> Tensor:
         """[B, D] int64 observations → [B, n] logits (the parameters' dtype)."""
-        s = self.encoder.state_index(obs)
+        s = _cached(obs, ("state", *_encoder_key(self.encoder)), self.encoder.state_index)
         return self._act(self.prior[_prior_rows(self.encoder, obs)] + self.table[s], logits=True)
 
 
 class NeuralPolicy(_Rounding, nn.Module):
-    """logits = prior[s] + W₂ tanh(W₁ x + b₁) + b₂, x = encoder features.
+    """logits = prior[s] + W₂ tanh(W₁ x + b₁) + b₂, x = encoder features (and, with
+    ``context_features`` F > 0, F hashed multi-hot context features, ``encoders.ngram_features``).
 
     Args:
         encoder: maps observations to features and state indices.
@@ -61,18 +94,22 @@ class NeuralPolicy(_Rounding, nn.Module):
         hidden: width of the hidden layer.
         generator: seeded generator for the initial weights.
         init_scale: std of the output layer's initial weights (small: starts near the prior).
+        context_features: F, hashed features of the context that overlap across contexts
+            (token-MDP observations only; 0: the encoder's features alone).
     """
 
     FP8_WEIGHTS = ("w1",)
     """hidden matmul weights an FP8 engine stores in e4m3 (the output layer stays bf16)."""
 
     def __init__(self, encoder, prior: Tensor, *, hidden: int = 64,
-                 generator: torch.Generator | None = None, init_scale: float = 0.01):
+                 generator: torch.Generator | None = None, init_scale: float = 0.01,
+                 context_features: int = 0):
         super().__init__()
         self.encoder = encoder
+        self.context_features = context_features
         self.register_buffer("prior", prior.clone().float())
         n = prior.shape[1]
-        f = encoder.feature_dim
+        f = encoder.feature_dim + context_features
         self.w1 = nn.Parameter(torch.randn(f, hidden, generator=generator) / f ** 0.5)
         self.b1 = nn.Parameter(torch.zeros(hidden))
         self.w2 = nn.Parameter(torch.randn(hidden, n, generator=generator) * init_scale)
@@ -80,15 +117,31 @@ class NeuralPolicy(_Rounding, nn.Module):
 
     def forward(self, obs: Tensor) -> Tensor:
         """[B, D] int64 observations → [B, n] logits (the parameters' dtype)."""
-        x = self._act(self.encoder.features(obs).to(self.w1.dtype))
-        h = self._act(torch.tanh(x @ self.w1 + self.b1))
-        return self._act(self.prior[_prior_rows(self.encoder, obs)] + h @ self.w2 + self.b2, logits=True)
+        return self._act(self.prior[_prior_rows(self.encoder, obs)] + self.trainable_logits(obs), logits=True)
+
+    def features(self, obs: Tensor) -> Tensor:
+        """[B, D] int64 → [B, F] the network's input (the parameters' dtype)."""
+        def compute(o: Tensor) -> Tensor:
+            x = self.encoder.features(o)
+            if self.context_features:
+                x = torch.cat([x, ngram_features(o, self.context_features, self.encoder.task.vocab_size)], dim=1)
+            return x
+        return _cached(obs, ("features", *_encoder_key(self.encoder), self.context_features), compute).to(self.w1.dtype)
+
+    def trainable_logits(self, obs: Tensor) -> Tensor:
+        """[B, D] int64 → [B, n] W₂ h + b₂ (plus the engine's ``output_error(h)`` in its copy)."""
+        h = self._act(torch.tanh(self._act(self.features(obs)) @ self.w1 + self.b1))
+        out = h @ self.w2 + self.b2
+        return out if self.output_error is None else out + self.output_error(h)
 
 
-def make_policy(kind: str, encoder, prior: Tensor, *, seed: int = 0, hidden: int = 64) -> nn.Module:
-    """Build a policy by name (``tabular`` or ``neural``)."""
+def make_policy(kind: str, encoder, prior: Tensor, *, seed: int = 0, hidden: int = 64,
+                init_scale: float = 0.01, context_features: int = 0) -> nn.Module:
+    """Build a policy by name (``tabular`` or ``neural``; the keywords after ``hidden`` are the
+    neural policy's)."""
     one_of("policy", kind, POLICY_KINDS)
     if kind == "tabular":
         return TabularPolicy(encoder, prior)
     gen = torch.Generator().manual_seed(seed)
-    return NeuralPolicy(encoder, prior, hidden=hidden, generator=gen)
+    return NeuralPolicy(encoder, prior, hidden=hidden, generator=gen, init_scale=init_scale,
+                        context_features=context_features)

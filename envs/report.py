@@ -233,15 +233,20 @@ def audit_section(doc: dict, figures: dict[str, Path], root: Path) -> list[str]:
              f"{doc['tokens_mean']:.0f} response tokens per seed ({doc['zero_advantage_mean']:.0f} had Â = 0).", ""]
     if doc.get("regime"):
         lines += regime_section({cfg["mismatch"]: doc["regime"]}, title="### Regime of the audited batches")
+    from .audit_report import decision_sections
+
+    lines += decision_sections(doc)
     for ctx, block in doc["contexts"].items():
+        if ctx == "distinct" and "self_test" in block and ctx != doc.get("main_contexts"):
+            continue  # the audit's self-test (above), not a comparison
         label = {"shared": "shared states (the batch as it is)", "distinct": "one token per state"}[ctx]
         lines += [f"### {label}: tokens per state {block['tokens_per_state_mean']:.2f}", "",
                   "Each rule over the disagreement tokens it kept (pooled over seeds), against both divergences; "
                   "*scored against* is the divergence its direction test predicts.", ""]
         lines += _rule_tables(block["per_rule"]) + [""] + _pair_table(block["pairs"])
         main = block["pairs"][0]
-        lines += ["", f"Verdict on the main pair ({ctx}), per seed: {verdict(main['unsafe_keep_diff'], main['a'], main['b'])} "
-                  f"Pooled over seeds: {verdict(main['pooled_unsafe_keep_diff'], main['a'], main['b'])} "
+        lines += ["", f"Verdict on the main pair ({ctx}), per seed: {main.get('verdict') or verdict(main['unsafe_keep_diff'], main['a'], main['b'])} "
+                  f"Pooled over seeds: {main.get('pooled_verdict') or verdict(main['pooled_unsafe_keep_diff'], main['a'], main['b'])} "
                   "The paper reports 36.9% (ratio) vs 34.2% (predictive) without an interval.", ""]
     studies = doc.get("studies") or {}
     stress = studies.get("stress")

@@ -252,3 +252,132 @@ def regime_table(d: Tensor, outside: Tensor, considered: Tensor, *,
         out["entropy_quantiles"] = {f"p{int(p * 100):02d}": float(v)
                                     for p, v in zip(ent_probs, torch.quantile(entropy.double(), ent_probs))}
     return out
+
+
+#: A verdict (per seed or pooled) needs at least this many seeds whose batch gave kept
+#: disagreement tokens to both rules, …
+VERDICT_MIN_SEEDS = 10
+#: … and at least this many kept disagreement tokens pooled for each rule (SPEC §6).
+VERDICT_MIN_TOKENS = 30
+INSUFFICIENT = "insufficient data"
+
+#: The paper's figures (61 seeds, one fresh 1024-sequence batch each; SPEC §6), for the
+#: side-by-side table: the ratio rule (``dppo_topk_kl``) and the predictive rule (``pdm_topk``).
+PAPER_FIGURES = {"seeds": 61, "unsafe_keep": {"dppo_topk_kl": 0.369, "pdm_topk": 0.342},
+                 "shrink": {"dppo_topk_kl": 0.629, "pdm_topk": 0.651}, "pdm_lower_seeds": 38,
+                 "sign_test_p": 0.07, "outside_per_seed": 1435, "disagreement_per_seed": 82}
+#: The paper's unsafe-keep difference (36.9% − 34.2%): the effect the power line sizes for.
+PAPER_EFFECT = 0.027
+
+
+def data_sufficiency(counts_a: list[int], counts_b: list[int], *, min_seeds: int = VERDICT_MIN_SEEDS,
+                     min_tokens: int = VERDICT_MIN_TOKENS) -> dict:
+    """Whether a verdict on rules A and B may be drawn from their per-seed kept disagreement
+    token counts (paired by seed), and if not, why.
+
+    Returns ``sufficient``, ``seeds_with_both`` (seeds with ≥ 1 kept token for each rule),
+    ``tokens_a``, ``tokens_b`` (pooled) and ``reason`` (empty when sufficient).
+    """
+    if len(counts_a) != len(counts_b):
+        raise PDMInputError(f"paired seed lists differ in length: {len(counts_a)} vs {len(counts_b)}")
+    both = sum(1 for x, y in zip(counts_a, counts_b) if x > 0 and y > 0)
+    ta, tb = sum(counts_a), sum(counts_b)
+    reasons = []
+    if both < min_seeds:
+        reasons.append(f"{both} seed(s) gave kept disagreement tokens to both rules (a verdict needs {min_seeds})")
+    if min(ta, tb) < min_tokens:
+        reasons.append(f"{ta} and {tb} kept disagreement tokens pooled (a verdict needs {min_tokens} for each)")
+    return {"sufficient": not reasons, "seeds_with_both": both, "tokens_a": ta, "tokens_b": tb,
+            "min_seeds": min_seeds, "min_tokens": min_tokens, "reason": "; ".join(reasons)}
+
+
+def gated_verdict(diff: dict, a: str, b: str, data: dict) -> str:
+    """``verdict`` where ``data`` (``data_sufficiency``) allows one, else "insufficient data: why"."""
+    if not data["sufficient"]:
+        return f"{INSUFFICIENT}: {data['reason']}."
+    return verdict(diff, a, b)
+
+
+def seeds_for_power(diffs, *, effect: float = PAPER_EFFECT, power: float = 0.8, level: float = 0.95) -> dict:
+    """Seeds a paired comparison needs to detect a mean difference of `effect` with `power` at a
+    two-sided `level`, at the per-seed standard deviation measured in `diffs` (normal
+    approximation: n = ((z_{1−α/2} + z_power)·sd / effect)²).
+
+    Args:
+        diffs: per-seed differences A − B (NaN pairs dropped).
+
+    Returns:
+        ``sd`` (per seed), ``seeds_used``, ``seeds_needed`` (NaN with fewer than 2 seeds),
+        ``effect``, ``power``, ``level``.
+    """
+    if not effect > 0 or not 0 < power < 1 or not 0 < level < 1:
+        raise PDMInputError(f"seeds_for_power: effect > 0 and power, level in (0, 1), got {effect}, {power}, {level}")
+    x = torch.as_tensor([float(v) for v in diffs], dtype=torch.float64)
+    x = x[torch.isfinite(x)]
+    out = {"effect": effect, "power": power, "level": level, "seeds_used": int(x.numel())}
+    if x.numel() < 2:
+        return {**out, "sd": float("nan"), "seeds_needed": float("nan")}
+    normal = torch.distributions.Normal(0.0, 1.0)
+    z = float(normal.icdf(torch.tensor(1 - (1 - level) / 2)) + normal.icdf(torch.tensor(power)))
+    sd = float(x.std(unbiased=True))
+    return {**out, "sd": sd, "seeds_needed": math.ceil((z * sd / effect) ** 2)}
+
+
+#: The causes a kept token's first-order ΔD splits into (``envs/audit_flips.py``).
+FLIP_CAUSES = ("own", "context", "state", "rest")
+
+
+def flip_summary(terms: list[dict]) -> dict:
+    """Per-token first-order terms of grown kept tokens → which cause dominated, and medians.
+
+    Args:
+        terms: one dict per token with a float per ``FLIP_CAUSES`` key (first-order ΔD from that
+            group of tokens' updates) and ``total``.
+
+    Returns:
+        ``tokens``; ``dominant`` (cause → how many tokens it was the largest positive term of);
+        ``own_grew`` (tokens whose own term was > 0: the per-token rule's sign was wrong);
+        ``median`` (cause → median term) and ``median_ratio_to_own`` (median |others| / |own|).
+    """
+    out = {"tokens": len(terms), "dominant": {c: 0 for c in FLIP_CAUSES}, "own_grew": 0,
+           "median": {}, "median_ratio_to_own": float("nan")}
+    if not terms:
+        return out
+    for t in terms:
+        out["dominant"][max(FLIP_CAUSES, key=lambda c: t[c])] += 1
+        out["own_grew"] += int(t["own"] > 0)
+    for c in (*FLIP_CAUSES, "total"):
+        out["median"][c] = float(torch.tensor([t[c] for t in terms], dtype=torch.float64).median())
+    ratios = torch.tensor([abs(t["context"] + t["state"] + t["rest"]) / max(abs(t["own"]), 1e-300) for t in terms],
+                          dtype=torch.float64)
+    out["median_ratio_to_own"] = float(ratios.median())
+    return out
+
+
+def self_test(per_rule: dict, *, max_unsafe: float = 0.005, min_tokens: int = 20) -> dict:
+    """The audit's own test (SPEC §6): with one token per state, every direction rule whose Ḋ is
+    the exact derivative of the divergence it is scored against (``pdm_topk`` on the top-K KL,
+    ``pdm_exact`` on the full KL) keeps no divergence-growing update, to first order.
+
+    Args:
+        per_rule: the ``distinct`` study's per-rule tables (``per_rule`` of the audit document).
+
+    Returns:
+        ``passed`` (None where no matched rule had ``min_tokens`` kept tokens: not tested),
+        ``checks`` (rule → its unsafe-keep, kept tokens, pass) and ``failures``.
+    """
+    checks, failures = {}, []
+    for rule in ("pdm_topk", "pdm_exact"):
+        if rule not in per_rule:
+            continue
+        scored = per_rule[rule]["scored_against"]
+        entry = per_rule[rule][scored]
+        rate, kept = entry["unsafe_keep_pooled"], entry["kept_disagreement_tokens"]
+        tested = kept >= min_tokens
+        ok = (not tested) or rate <= max_unsafe
+        checks[rule] = {"scored_against": scored, "unsafe_keep": rate, "kept": kept, "tested": tested, "passed": ok}
+        if not ok:
+            failures.append(f"{rule} on {scored}: unsafe-keep {rate:.4f} > {max_unsafe} over {kept} kept tokens")
+    tested = [c for c in checks.values() if c["tested"]]
+    return {"passed": (not failures) if tested else None, "checks": checks, "failures": failures,
+            "max_unsafe": max_unsafe, "min_tokens": min_tokens}

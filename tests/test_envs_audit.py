@@ -1,10 +1,12 @@
 """The direction audit (SPEC §6): the audit's own test (matched pairs shrink with one token per
 state), planted bugs it must catch, audit.json's schema and its counts."""
+import copy
 import dataclasses
 import json
 import math
 
 import pytest
+import torch
 
 from pdm_lab import masks
 from pdm_lab.envs import audit as audit_mod
@@ -141,7 +143,192 @@ def test_stale_mismatch_moves_pi_before_the_audited_batch():
 def test_resumed_audit_reads_finished_seeds(tmp_path):
     cfg = AuditConfig(seeds=2, sequences=128, n_boot=100, extra_rules=())
     first = run_audit(cfg, seed_dir=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["seed_0.pt", "seed_1.pt"]
+    assert sorted(p.name for p in tmp_path.glob("seed_*")) == ["seed_0.pt", "seed_1.pt"]
+    assert sorted(p.name for p in (tmp_path / "policies").iterdir()) == ["policy_0_at_0.pt"]
     again = run_audit(cfg, seed_dir=tmp_path)
     same = lambda x, y: json.dumps(x, sort_keys=True) == json.dumps(y, sort_keys=True)  # NaN-safe
     assert same(again["per_seed"], first["per_seed"]) and same(again["regime"], first["regime"])
+
+
+# ---- audit points, verdicts that need data, flips, compact tokens, safe resume ----
+
+from pdm_lab.audit import FLIP_CAUSES, INSUFFICIENT  # noqa: E402
+from pdm_lab.envs import audit_flips  # noqa: E402
+from pdm_lab.envs.audit import audit_batch, float64_tokens, measure, rule_step  # noqa: E402
+from pdm_lab.envs.problems import TokenMDPConfig  # noqa: E402
+
+TINY_MDP = ProblemConfig(kind="token_mdp", token_mdp=TokenMDPConfig(vocab_size=32, max_len=6))
+
+
+def verdict_failures(doc: dict) -> list[str]:
+    """Why a document's verdicts are not backed by data, if they are not: every verdict other
+    than "insufficient data" needs ≥ 10 seeds with kept tokens for both rules and ≥ 30 pooled each."""
+    failures = []
+    for pair in doc["pairs"]:
+        data = pair["data"]
+        backed = data["seeds_with_both"] >= 10 and min(data["tokens_a"], data["tokens_b"]) >= 30
+        for key in ("verdict", "pooled_verdict"):
+            if not pair[key].startswith(INSUFFICIENT) and not backed:
+                failures.append(f"{pair['a']}|{pair['b']} {key}: {pair[key]!r} from {data}")
+    return failures
+
+
+@pytest.fixture(scope="module")
+def small_doc():
+    return run_audit(AuditConfig(seeds=2, sequences=64, n_boot=100, extra_rules=()))
+
+
+def test_two_seed_audit_reports_insufficient_data(small_doc):
+    pair = small_doc["pairs"][0]
+    assert pair["verdict"].startswith(INSUFFICIENT) and pair["pooled_verdict"].startswith(INSUFFICIENT)
+    assert "seed(s) gave kept disagreement tokens" in pair["verdict"]
+    assert verdict_failures(small_doc) == []
+    assert {"outside_mean", "per_rule", "audit_step", "peak_rss_gb", "wall_s"} <= set(small_doc)
+    assert pair["audit_step"] == 0 and "disagreement_mean" in pair
+    assert set(small_doc["per_rule"]["pdm_topk"]) >= {"topk_kl", "full_kl"}
+
+
+def test_planted_bug_verdict_from_nine_seeds_is_caught(small_doc):
+    doc = copy.deepcopy(small_doc)
+    pair = doc["pairs"][0]
+    pair["data"] = dict(pair["data"], seeds_with_both=9, tokens_a=500, tokens_b=500)
+    pair["verdict"] = "pdm_topk keeps fewer divergence-growing updates than dppo_topk_kl (95% CI of A − B excludes 0)."
+    assert verdict_failures(doc) != []
+
+
+def test_audit_points_train_the_policy_and_report_every_point():
+    cfg = AuditConfig(problem=TINY_MDP, policy="neural", mismatch="bf16_engine:0+outlier:0.5:1", seeds=2,
+                      sequences=64, audit_at=(0, 3), trajectory_seeds=1, extra_rules=(), n_boot=100, delta=0.01,
+                      contexts=("shared",), context_features=16)
+    doc = run_audit(cfg)
+    assert [p["step"] for p in doc["trajectory"]] == [0, 3]
+    assert [p["seeds"] for p in doc["trajectory"]] == [1, 2]
+    assert doc["pairs"][0]["audit_step"] == 3 and all(s["step"] == 3 for s in doc["per_seed"])
+    assert doc["coupling"]["same_state_tokens"] >= doc["coupling"]["outside"] > 0
+    # training moved the policy: the batch at step 3 is not the batch at step 0
+    untrained = audit_batch(cfg, 0, step=0)[1]
+    trained = audit_batch(cfg, 0, step=3)[1]
+    assert not torch.equal(untrained.w2, trained.w2)
+
+
+def test_audit_tensors_hold_response_tokens_only():
+    cfg = AuditConfig(problem=TINY_MDP, policy="neural", seeds=1, sequences=64, extra_rules=())
+    _, _, batch, adv = audit_batch(cfg, 0)
+    tokens = float64_tokens(batch, adv, cfg.mask("dppo_topk_kl"))
+    assert tokens.num_tokens == int(batch.response_mask.sum()) < batch.response_mask.numel()
+    assert bool(tokens.response_mask.all())
+    seq = torch.nonzero(batch.response_mask)[:, 0]
+    assert torch.equal(tokens.advantages.reshape(-1), adv.double()[seq])
+
+
+def _flip_terms(policy_kind: str, contexts: str = "shared", lr: float = 1e-3):
+    cfg = AuditConfig(problem=TINY_MDP, policy=policy_kind, seeds=1, sequences=128, extra_rules=(), delta=0.0,
+                      mismatch="noise:1", lr=lr)
+    _, policy, batch, adv = audit_batch(cfg, 0)
+    mask = cfg.mask("dppo_topk_kl")
+    tokens = float64_tokens(batch, adv, mask)
+    focus = torch.nonzero(tokens.advantages.reshape(-1) != 0)[:, 0]
+    model, tok, foc = audit_mod.audit_model(policy, tokens, contexts, focus)
+    before = measure(model, tok.rows(foc))
+    step = rule_step(model, tok, mask, cfg, foc, before)
+    targets = foc[:12]
+    terms = audit_flips.decompose(model, tok, mask, cfg.lr, step.keep, targets, "topk_kl", measure)
+    return terms, step.delta["topk_kl"][targets]
+
+
+def flip_failures(terms, realised, *, shares_weights: bool) -> list[str]:
+    """The decomposition is wrong if its terms do not add up to the first-order total, the total
+    is not the realised ΔD to first order, or (a tabular policy) other states contribute."""
+    failures = []
+    for t, r in zip(terms, realised.tolist()):
+        parts = sum(t[c] for c in FLIP_CAUSES)
+        if abs(parts - t["total"]) > 1e-6 * abs(t["total"]) + 1e-15:
+            failures.append(f"row {t['row']}: terms {parts} vs total {t['total']}")
+        scale = max(abs(r), sum(abs(t[c]) for c in FLIP_CAUSES))
+        if abs(t["total"] - r) > 5e-2 * scale + 1e-12:  # second order: small at this step
+            failures.append(f"row {t['row']}: first order {t['total']} vs realised {r}")
+        if not shares_weights and abs(t["rest"]) > 1e-9 * abs(t["total"]) + 1e-18:
+            failures.append(f"row {t['row']}: rest {t['rest']} through a table")
+    return failures
+
+
+def test_flip_terms_add_up_and_a_table_shares_nothing_across_states():
+    terms, realised = _flip_terms("tabular")
+    assert len(terms) == 12 and flip_failures(terms, realised, shares_weights=False) == []
+    assert any(t["context"] != 0 or t["state"] != 0 for t in terms)  # tokens of one state do interact
+    neural, realised_n = _flip_terms("neural", lr=1e-4)  # the network's token-sum step is ~N× larger
+    assert flip_failures(neural, realised_n, shares_weights=True) == []
+    assert any(abs(t["rest"]) > 0 for t in neural)  # the network couples every token
+
+
+def test_flip_terms_one_token_per_state_are_all_own():
+    terms, realised = _flip_terms("tabular", "distinct")
+    for t in terms:
+        assert t["context"] == 0 and t["state"] == 0 and abs(t["rest"]) <= 1e-9 * abs(t["total"]) + 1e-18
+    assert flip_failures(terms, realised, shares_weights=False) == []
+
+
+def test_planted_bug_wrong_attribution_is_caught(monkeypatch):
+    real = audit_flips.group_ids
+
+    def shifted(model, tokens):  # every token attributed to its neighbour's context and state
+        context, state = real(model, tokens)
+        return context.roll(1), state.roll(1)
+
+    monkeypatch.setattr(audit_flips, "group_ids", shifted)
+    terms, realised = _flip_terms("tabular")
+    assert flip_failures(terms, realised, shares_weights=False) != []
+
+
+def test_crafted_seed_file_is_refused_and_runs_no_code(tmp_path):
+    import os
+    import pickle
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    cfg = AuditConfig(seeds=1, sequences=64, n_boot=50, extra_rules=())
+    (tmp_path / "seed_0.pt").write_bytes(pickle.dumps({"config": "x", "record": Payload(), "inputs": ()}))
+    with pytest.raises(audit_mod.SeedRecordError, match="seed_0.pt"):
+        run_audit(cfg, seed_dir=tmp_path)
+    assert not marker.exists()
+
+
+def test_outlier_mismatch_is_a_function_of_the_activations():
+    from pdm_lab.config import ConfigError
+    from pdm_lab.envs.mismatch import Mismatch
+    from pdm_lab.envs.policies import make_policy
+    from pdm_lab.envs.problems import make_problem
+
+    problem = make_problem(TINY_MDP)
+    policy = make_policy("neural", problem.encoder, problem.prior, context_features=8)
+    engine = Mismatch.parse("outlier:0.3:1").behaviour_copy(policy)
+    obs = problem.collect(policy, Mismatch(), 4, 4, audit_mod.RolloutRNG(0)).obs.reshape(-1, 7)
+    with torch.no_grad():
+        gap = engine(obs) - policy(obs)
+        again = engine(obs) - policy(obs)
+    assert torch.equal(gap, again) and gap.abs().max() > 0  # deterministic per context
+    same = (obs[:, None] == obs[None]).all(-1)
+    assert torch.allclose(gap[same.nonzero()[:, 0]], gap[same.nonzero()[:, 1]])
+    with pytest.raises(ConfigError, match="neural"):
+        Mismatch.parse("outlier:0.3").behaviour_copy(make_policy("tabular", problem.encoder, problem.prior))
+
+
+def test_context_hash_in_one_pass_equals_the_column_loop():
+    from pdm_lab.envs.encoders import context_hash
+
+    def loop(obs, salt):
+        h = torch.full((obs.shape[0],), salt, dtype=torch.int64)
+        for j in range(obs.shape[1]):
+            h = (h * 1_000_003 + obs[:, j] + 1) % 2_147_483_647
+        return (h * 48_271 + 11) % 2_147_483_647
+
+    gen = torch.Generator().manual_seed(0)
+    for width in (1, 7, 300):
+        obs = torch.randint(0, 5000, (64, width), generator=gen)
+        assert torch.equal(context_hash(obs, 3), loop(obs, 3))
+    big = torch.randint(0, 2 ** 40, (8, 4), generator=gen)  # the loop's branch
+    assert torch.equal(context_hash(big, 1), loop(big, 1))

@@ -1,0 +1,107 @@
+"""The audited policy at a training step: plain GRPO under the audited mismatch (SPEC §6, audit
+points).
+
+The paper audits mid-training batches, so the audit trains its policy before drawing a batch:
+``train_runs`` independent runs (run r: its own initial weights and rollouts), each trained with
+rule ``none`` and Adam under the audited mismatch, and read at every step of ``audit_at``. Audit
+seed s reads run s mod ``train_runs`` and draws its own fresh batch there, as the paper's 61
+seeds each drew a fresh rollout. Trained weights are kept in memory and, with a store folder,
+as ``policy_<r>_at_<step>.pt`` (tensors only, read back with ``weights_only=True``), so a
+resumed audit does not retrain.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pdm_lab.advantages import group_advantages
+from pdm_lab.config import MaskConfig
+
+from .mismatch import Mismatch
+from .policies import make_policy
+from .rollout import RolloutRNG
+from .train import TrainConfig, make_optimizer
+from .update import masked_loss, token_batch
+
+#: RolloutRNG seeds of the training runs (apart from the audit seeds' own batches).
+TRAIN_SEED_BASE = 20_000
+
+
+def plain_config(cfg) -> TrainConfig:
+    """The plain GRPO run the audit trains with (rule ``none``, Adam, the audited mismatch)."""
+    return TrainConfig(problem=cfg.problem, policy=cfg.policy, hidden=cfg.hidden,
+                       mask=MaskConfig(rule="none", k=cfg.k, convention=cfg.convention),
+                       mismatch=cfg.mismatch, lr=cfg.train_lr, groups_per_step=cfg.train_groups,
+                       group_size=cfg.group_size)
+
+
+def plain_step(plain: TrainConfig, policy: nn.Module, opt, batch) -> None:
+    """One GRPO step on `batch` with the plain rule (the core's loss, token-mean)."""
+    tokens = token_batch(batch, group_advantages(batch.rewards, batch.groups), plain.mask)
+    out = masked_loss(policy, tokens, plain.mask)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    opt.step()
+
+
+def new_policy(cfg, problem, run: int) -> nn.Module:
+    """Run `run`'s initial policy (seeded by the run)."""
+    return make_policy(cfg.policy, problem.encoder, problem.prior, seed=run, hidden=cfg.hidden,
+                       init_scale=cfg.init_scale, context_features=cfg.context_features)
+
+
+class TrainedPolicies:
+    """Run r's policy at step s, trained once and reused by every audit seed that reads it."""
+
+    def __init__(self, cfg, problem, store: str | Path | None = None):
+        self.cfg, self.problem = cfg, problem
+        self.store = None if store is None else Path(store)
+        self._runs: dict[int, tuple[int, nn.Module, object, RolloutRNG]] = {}
+        self._snapshots: dict[tuple[int, int], dict] = {}
+
+    def _path(self, run: int, step: int) -> Path | None:
+        return None if self.store is None else self.store / f"policy_{run}_at_{step}.pt"
+
+    def at(self, run: int, step: int) -> nn.Module:
+        """Run `run`'s policy after `step` training steps (a fresh module each call)."""
+        saved = self._snapshots.get((run, step))
+        path = self._path(run, step)
+        if saved is None and path is not None and path.exists():
+            saved = torch.load(path, weights_only=True)  # tensors only: a crafted file runs no code
+        if saved is not None:
+            self._snapshots[(run, step)] = saved
+            policy = new_policy(self.cfg, self.problem, run)
+            policy.load_state_dict(saved)
+            return policy
+        state = self._runs.get(run)
+        if state is None or state[0] > step:
+            state = self._start(run)
+        done, policy, opt, rng = state
+        plain = plain_config(self.cfg)
+        mismatch = Mismatch.parse(self.cfg.mismatch)
+        for _ in range(done, step):
+            batch = self.problem.collect(policy, mismatch, plain.groups_per_step, plain.group_size, rng)
+            plain_step(plain, policy, opt, batch)
+        self._runs[run] = (step, policy, opt, rng)
+        saved = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        self._snapshots[(run, step)] = saved
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save(saved, tmp)
+            tmp.replace(path)
+        return self.at(run, step)
+
+    def _start(self, run: int):
+        policy = new_policy(self.cfg, self.problem, run)
+        plain = plain_config(self.cfg)
+        if self.cfg.warmup_steps:  # on-policy steps without mismatch, before the audited training
+            warm = make_optimizer(plain.optimizer, policy.parameters(), plain.lr)
+            rng = RolloutRNG(10_000 + run)
+            for _ in range(self.cfg.warmup_steps):
+                plain_step(plain, policy, warm, self.problem.collect(policy, Mismatch(), plain.groups_per_step,
+                                                                    plain.group_size, rng))
+        opt = make_optimizer(plain.optimizer, policy.parameters(), plain.lr)
+        return (0, policy, opt, RolloutRNG(TRAIN_SEED_BASE + run))
