@@ -70,7 +70,8 @@ def _gather_fn(kind: str, hidden: int, vocab: int, k: int, n: int, chunk: int | 
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(n, hidden, generator=gen, requires_grad=True)
     w = (torch.randn(vocab, hidden, generator=gen) * 0.3).requires_grad_()
-    ids = torch.randint(0, vocab, (n, k + 1), generator=gen)
+    # k + 1 distinct ids per row (a support never holds an id twice)
+    ids = (torch.randint(0, vocab, (n, 1), generator=gen) + torch.arange(k + 1)) % vocab
 
     def naive():
         lp = torch.log_softmax((h @ w.t()).float() / 0.7, dim=-1)

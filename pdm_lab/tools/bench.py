@@ -112,7 +112,7 @@ def _gather_child(queue, kind: str, n_tokens: int, vocab: int, k: int, backward:
     for lo in range(0, n_tokens, 8):  # row blocks: no float32 [N, V] temporary inflates the baseline
         logits[lo:lo + 8] = torch.randn(min(8, n_tokens - lo), vocab) * 3
     logits.requires_grad_(backward)
-    ids = torch.randint(0, vocab, (n_tokens, k + 1))
+    ids = (torch.randint(0, vocab, (n_tokens, 1)) + torch.arange(k + 1)) % vocab  # distinct ids per row
     fn = {"naive": policy_on_support_reference,
           "chunked": functools.partial(policy_on_support, compiled=False),
           "compiled": functools.partial(policy_on_support, compiled=True)}[kind]

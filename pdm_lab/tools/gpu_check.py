@@ -137,7 +137,8 @@ def gather_section(dev: Device, sizes: Sizes) -> dict:
     n, vocab = sizes.gather_tokens, sizes.vocab
     gen = torch.Generator(device=dev.name).manual_seed(0)
     logits = (torch.randn(n, vocab, device=dev.name, dtype=torch.bfloat16, generator=gen) * 3).requires_grad_()
-    ids = torch.randint(0, vocab, (n, sizes.k + 1), device=dev.name, generator=gen)
+    ids = (torch.randint(0, vocab, (n, 1), device=dev.name, generator=gen)  # distinct ids per row
+           + torch.arange(sizes.k + 1, device=dev.name)) % vocab
     out = {}
     for name, fn in (("naive", policy_on_support_reference), ("chunked", policy_on_support)):
         def once(fn=fn):
