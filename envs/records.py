@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 
 def plain(value: Any) -> Any:
@@ -53,18 +53,6 @@ class JsonlWriter:
         self.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """All complete lines of a JSONL file (a torn last line is skipped)."""
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
 def _write_atomic(path: Path, write: Callable[[Any], None]) -> None:
     """Write through a uniquely named temporary file in the same folder, fsync, rename over
     ``path``: two writers never share a temporary name, a reader never sees half a file."""
@@ -84,11 +72,6 @@ def _write_atomic(path: Path, write: Callable[[Any], None]) -> None:
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write JSON atomically (unique temporary file, fsync, rename over ``path``)."""
     _write_atomic(Path(path), lambda fh: json.dump(plain(data), fh, indent=1))
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write text atomically (unique temporary file, fsync, rename over ``path``)."""
-    _write_atomic(Path(path), lambda fh: fh.write(text))
 
 
 def read_json_or_quarantine(path: str | Path, *, valid: Callable[[Any], bool] = lambda doc: True,
@@ -115,6 +98,3 @@ def read_json_or_quarantine(path: str | Path, *, valid: Callable[[Any], bool] = 
         f"warning: {path}: {why}; moved aside to {aside.name}, recomputing")
     return None
 
-
-def write_lines(path: str | Path, lines: Iterable[str]) -> None:
-    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .distributed import broadcast_object
+
 COMPLETE = "COMPLETE"
 
 
@@ -116,11 +118,6 @@ def list_complete(run_dir: Path) -> list[Path]:
                   and (p / COMPLETE).exists())
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    done = list_complete(run_dir)
-    return done[-1] if done else None
-
-
 def intact_checkpoint(run_dir: Path, warn=None) -> Path | None:
     """The newest complete checkpoint whose checksums verify; each damaged newer one is reported
     through ``warn`` (default: stderr) by name and skipped. Rank 0 verifies, the others follow."""
@@ -133,10 +130,7 @@ def intact_checkpoint(run_dir: Path, warn=None) -> Path | None:
                 chosen = str(path)
                 break
             warn(f"[checkpoint] warning: skipping damaged checkpoint {path}: {problem}")
-    if dist.is_initialized():
-        box = [chosen]
-        dist.broadcast_object_list(box, src=0)
-        chosen = box[0]
+    chosen = broadcast_object(chosen)
     return Path(chosen) if chosen else None
 
 
@@ -181,11 +175,7 @@ def load_checkpoint(path: Path, policy, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     path = Path(path)
-    problem = verify_checkpoint(path) if _rank() == 0 else None
-    if dist.is_initialized():
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
+    problem = broadcast_object(verify_checkpoint(path) if _rank() == 0 else None)
     if problem is not None:
         raise CheckpointError(f"cannot resume: {problem}")
     states = _states(policy, optimizer)

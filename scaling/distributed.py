@@ -122,6 +122,7 @@ def all_reduce_max(values: list[float]) -> list[float]:
 
 
 def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s `obj` on every rank (collective); `obj` itself without a process group."""
     if not dist.is_initialized():
         return obj
     box = [obj]

@@ -57,13 +57,3 @@ class MetricsLog:
         if self.tb is not None:
             self.tb.close()
 
-
-def read_metrics(path: Path) -> list[dict]:
-    """All records of a metrics.jsonl (skipping a torn last line)."""
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out

@@ -108,10 +108,6 @@ def shard_policy(lm: nn.Module, *, param_dtype: str, reduce_dtype: str,
     return policy
 
 
-def is_tied(lm: nn.Module) -> bool:
-    return bool(getattr(lm.config, "tie_word_embeddings", False))
-
-
 @torch.no_grad()
 def sequence_logprobs(policy: PolicyModel, token_ids: list[int]) -> Tensor:
     """log π(token_t | <t) at T = 1 for a fixed sequence, t = 1..L−1 (the sync check). [L−1]
