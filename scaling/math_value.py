@@ -298,6 +298,21 @@ def grade_values(a: str, b: str, seconds: float = TIME_BUDGET_S) -> str:
 
 #: What the worker answers when it is up, before the first request.
 READY = b"ready\n"
+#: Resident memory the worker may gain over its start before it drops sympy's caches: the caches
+#: make a grading ~8× cheaper (measured: 0.7 vs 5.8 ms for a fraction against a root), but an
+#: answer's large expressions must not stay in memory for the rest of the run.
+CACHE_BYTES = 64 << 20
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux procfs; 0 where there is none: caches then stay)."""
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
 
 
 def _limit_memory(extra_bytes: int) -> None:
@@ -340,6 +355,7 @@ def serve(memory_bytes: int) -> None:
     from sympy.core.cache import clear_cache
 
     _limit_memory(memory_bytes)
+    start = _resident_bytes()
     out, inp = sys.stdout.buffer, sys.stdin.buffer
     out.write(READY)
     out.flush()
@@ -352,7 +368,8 @@ def serve(memory_bytes: int) -> None:
             verdict, outcome = "unparseable", "memory"
         except Exception:  # noqa: BLE001 - sympy failing on model output: no value was read
             verdict, outcome = "unparseable", "error"
-        clear_cache()  # no answer's expressions outlive it (memory stays at the baseline)
+        if _resident_bytes() > start + CACHE_BYTES:
+            clear_cache()
         out.write(json.dumps([verdict, outcome]).encode() + b"\n")
         out.flush()
         if outcome == "memory":
