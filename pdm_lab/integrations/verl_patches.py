@@ -57,7 +57,7 @@ Not patched: the loss dispatch. ``apply`` registers ``pdm_lab.<rule>`` for every
 through verl's public ``register_policy_loss``; verl's own ``ppo_loss`` calls it (entropy bonus,
 KL loss and metric aggregation stay verl's), and it runs ``verl_topk.topk_policy_loss`` on the
 kept logits: the support from the batch's top-K, π on it through the chunked gather, and the
-core's stats, mask and surrogate, aggregated with verl's ``agg_loss``.
+core's ``pdm_policy_loss``, normalised with verl's global batch counts as ``agg_loss`` does.
 
 Limits (refused with a message, not silently wrong): FSDP engine only (elsewhere the loss finds
 no kept logits and says so), remove-padding on, no fused kernels, no Ulysses sequence

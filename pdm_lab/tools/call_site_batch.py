@@ -34,7 +34,7 @@ class CallSiteBatch:
         mu_logp: [B·T, n] float32 μ's processed log-probs, as the engine reports them.
         topk: ``EngineTopK`` [B, T, K] / [B, T]: μ's top-K (ties: lower id), padded by
             ``pdm_lab.padding``'s rule, taken straight from ``mu_logp`` (what a parser must give).
-        advantages: [B, T] float64, one Â per response; response_mask: [B, T] bool.
+        advantages: [B, T] float64 (float32 values), one Â per response; response_mask: [B, T] bool.
     """
 
     logits: Tensor
@@ -110,7 +110,7 @@ def call_site_batch(seed: int = 0, *, b: int = 4, t: int = 6, n: int = 48, k: in
     mu_logp = torch.log_softmax(z, -1).float()
     logits = (z + mismatch * torch.randn(b * t, n, generator=gen, dtype=torch.float64)).requires_grad_()
     sampled = torch.multinomial(mu_logp.double().exp(), 1, generator=gen)[:, 0]
-    lengths = [t, 1] + torch.randint(2, t + 1, (b - 2,), generator=gen).tolist()
+    lengths = ([t, 1] + torch.randint(1, t + 1, (b - 2,), generator=gen).tolist())[:b]
     resp = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
     ids, logp = topk_lower_id_ties(mu_logp, k)
     flat_resp = resp.reshape(-1)
@@ -121,7 +121,8 @@ def call_site_batch(seed: int = 0, *, b: int = 4, t: int = 6, n: int = 48, k: in
         sampled_logp=torch.where(flat_resp, mu_logp.gather(1, sampled[:, None])[:, 0],
                                  PAD_SAMPLED_LOGP).reshape(b, t))
     sign = torch.tensor([1.0, -1.0] * b, dtype=torch.float64)[:b]
-    adv = (sign * (0.5 + torch.rand(b, generator=gen, dtype=torch.float64)))[:, None].expand(b, t) * resp
+    # float32 values (in float64): a caller that carries Â in float32, as TRL does, loses nothing
+    adv = (sign * (0.5 + torch.rand(b, generator=gen))).double()[:, None].expand(b, t) * resp
     return CallSiteBatch(logits=logits, mu_logp=mu_logp, topk=topk, advantages=adv.contiguous(),
                          response_mask=resp, lengths=lengths, k=k)
 
