@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from pdm_lab.audit import FLIP_CAUSES
 from pdm_lab.config import MaskConfig
 
+from .policies import cached_input
 from .update import TokenBatch, masked_loss
 
 #: the central difference is taken at ±this fraction of each group's step (third-order error
@@ -40,10 +41,13 @@ def group_ids(model: nn.Module, tokens: TokenBatch) -> tuple[Tensor, Tensor]:
     The context is the whole observation row; the state is what the trainable part reads: the
     network's input features (``features``), else the encoder's state index, else the row."""
     obs = tokens.obs
-    context = torch.unique(obs, dim=0, return_inverse=True)[1]
+    context = cached_input(obs, ("context_ids",), lambda o: torch.unique(o, dim=0, return_inverse=True)[1])
     if hasattr(model, "features"):
-        with torch.no_grad():
-            state = torch.unique(model.features(obs), dim=0, return_inverse=True)[1]
+        def unique_inputs(o: Tensor) -> Tensor:
+            with torch.no_grad():
+                return torch.unique(model.features(o), dim=0, return_inverse=True)[1]
+        state = cached_input(obs, ("state_ids", type(model).__name__, getattr(model, "context_features", 0)),
+                             unique_inputs)
     elif hasattr(model, "encoder"):
         state = model.encoder.state_index(obs)
     else:

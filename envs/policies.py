@@ -29,7 +29,7 @@ _INPUT_CACHE: dict = {}
 _INPUT_CACHE_SIZE = 8
 
 
-def _cached(obs: Tensor, what: tuple, compute):
+def cached_input(obs: Tensor, what: tuple, compute):
     """compute(obs), reused while `obs` is the same, unmodified tensor (checked by weak reference
     and version counter, so a freed or edited tensor is never served stale)."""
     key = (id(obs), *what)
@@ -50,7 +50,7 @@ def _encoder_key(encoder) -> tuple:
 
 def _prior_rows(encoder, obs: Tensor) -> Tensor:
     index = encoder.prior_index if hasattr(encoder, "prior_index") else encoder.state_index
-    return _cached(obs, ("prior_rows", *_encoder_key(encoder)), index)
+    return cached_input(obs, ("prior_rows", *_encoder_key(encoder)), index)
 
 
 class _Rounding:
@@ -80,7 +80,7 @@ class TabularPolicy(_Rounding, nn.Module):
 
     def forward(self, obs: Tensor) -> Tensor:
         """[B, D] int64 observations → [B, n] logits (the parameters' dtype)."""
-        s = _cached(obs, ("state", *_encoder_key(self.encoder)), self.encoder.state_index)
+        s = cached_input(obs, ("state", *_encoder_key(self.encoder)), self.encoder.state_index)
         return self._act(self.prior[_prior_rows(self.encoder, obs)] + self.table[s], logits=True)
 
 
@@ -126,7 +126,7 @@ class NeuralPolicy(_Rounding, nn.Module):
             if self.context_features:
                 x = torch.cat([x, ngram_features(o, self.context_features, self.encoder.task.vocab_size)], dim=1)
             return x
-        return _cached(obs, ("features", *_encoder_key(self.encoder), self.context_features), compute).to(self.w1.dtype)
+        return cached_input(obs, ("features", *_encoder_key(self.encoder), self.context_features), compute).to(self.w1.dtype)
 
     def trainable_logits(self, obs: Tensor) -> Tensor:
         """[B, D] int64 → [B, n] W₂ h + b₂ (plus the engine's ``output_error(h)`` in its copy)."""

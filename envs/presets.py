@@ -44,7 +44,7 @@ AUDIT_PROBLEM = ProblemConfig(kind="token_mdp", token_mdp=TokenMDPConfig(
     temperature_spread=1.5, eos_top_fraction=0.006, logit_offset=20.0))
 #: Its mismatch: a bf16 engine plus an output-layer error driven by the shared activations
 #: (``outlier``: correlated across contexts as an engine's rounding is, heavy-tailed in D).
-AUDIT_MISMATCH = "bf16_engine:0+outlier:0.12:1"
+AUDIT_MISMATCH = "bf16_engine:0+outlier:0.35:1"
 #: The audited network: overlapping hashed context features, trained by plain GRPO before each
 #: audit point (``audit_points``).
 _AUDIT_NET = dict(problem=AUDIT_PROBLEM, policy="neural", mismatch=AUDIT_MISMATCH, context_features=64,
@@ -93,10 +93,11 @@ AUDIT_PRESETS: dict[str, AuditConfig] = {
     # make run's audit: two seeds at a trained point (too few for a verdict: it says so)
     "quick": AuditConfig(**_AUDIT_NET, seeds=2, sequences=1024, audit_at=(0, 10), trajectory_seeds=1,
                          extra_rules=(), n_boot=2000, flip_tokens=16),
-    # the paper's statistics: 61 seeds × 1024 sequences at a trained point, the trajectory over
-    # four points on 4 seeds
-    "paper": AuditConfig(**_AUDIT_NET, audit_at=(0, 10, 20, 40), trajectory_seeds=4,
-                         extra_rules=("pdm_uniform", "pdm_exact"), flip_tokens=32),
+    # the paper's statistics: 61 seeds × 1024 sequences at a trained point (step 20), the
+    # trajectory over three points on 3 seeds; the paper's pair only (the float64 audit of ~10⁵
+    # tokens per seed is the cost)
+    "paper": AuditConfig(**_AUDIT_NET, audit_at=(0, 10, 20), trajectory_seeds=3, extra_rules=(),
+                         flip_tokens=16),
     # the earlier harsh audit: bandit, i.i.d. noise, 16 tokens per state
     "stress": AuditConfig(mismatch="noise:1", seeds=16, k_sweep=(5, 20, 100), k_sweep_seeds=4),
 }

@@ -347,10 +347,10 @@ def flip_summary(terms: list[dict]) -> dict:
         out["dominant"][max(FLIP_CAUSES, key=lambda c: t[c])] += 1
         out["own_grew"] += int(t["own"] > 0)
     for c in (*FLIP_CAUSES, "total"):
-        out["median"][c] = float(torch.tensor([t[c] for t in terms], dtype=torch.float64).median())
+        out["median"][c] = float(torch.tensor([t[c] for t in terms], dtype=torch.float64).quantile(0.5))
     ratios = torch.tensor([abs(t["context"] + t["state"] + t["rest"]) / max(abs(t["own"]), 1e-300) for t in terms],
                           dtype=torch.float64)
-    out["median_ratio_to_own"] = float(ratios.median())
+    out["median_ratio_to_own"] = float(ratios.quantile(0.5))
     return out
 
 

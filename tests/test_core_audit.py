@@ -120,3 +120,54 @@ def test_mean_ci_lives_in_the_core_and_summary_reuses_it():
     assert summary.mean_ci is mean_ci
     mean, lo, hi = mean_ci([1.0, 2.0, 3.0, float("nan")], n_boot=500)
     assert mean == 2.0 and lo <= mean <= hi
+
+
+def test_verdict_needs_ten_seeds_and_thirty_tokens_each():
+    from pdm_lab.audit import INSUFFICIENT, data_sufficiency, gated_verdict
+
+    strong = {"mean_diff": 0.3, "ci_low": 0.2, "ci_high": 0.4}
+    enough = data_sufficiency([3] * 10, [3] * 10)
+    assert enough["sufficient"] and enough["seeds_with_both"] == 10 and enough["reason"] == ""
+    assert gated_verdict(strong, "a", "b", enough).startswith("b keeps fewer")
+    nine = data_sufficiency([9] * 9 + [0], [9] * 10)  # 9 seeds with both, plenty of tokens
+    assert not nine["sufficient"] and "9 seed(s)" in nine["reason"]
+    assert gated_verdict(strong, "a", "b", nine).startswith(INSUFFICIENT)
+    few = data_sufficiency([2] * 12, [3] * 12)  # 24 tokens for A
+    assert not few["sufficient"] and "24 and 36" in few["reason"]
+    with pytest.raises(Exception, match="differ in length"):
+        data_sufficiency([1], [1, 2])
+
+
+def test_seeds_for_power_matches_the_normal_formula():
+    from pdm_lab.audit import seeds_for_power
+
+    diffs = [0.1, -0.1] * 20  # sd = 0.1013 (n − 1 denominator)
+    out = seeds_for_power(diffs, effect=0.027)
+    sd = torch.tensor(diffs, dtype=torch.float64).std().item()
+    assert out["sd"] == pytest.approx(sd)
+    assert out["seeds_needed"] == math.ceil(((1.959964 + 0.841621) * sd / 0.027) ** 2)
+    assert math.isnan(seeds_for_power([0.1, float("nan")])["seeds_needed"])  # one usable seed
+
+
+def test_flip_summary_counts_the_largest_cause():
+    from pdm_lab.audit import flip_summary
+
+    terms = [{"own": -1.0, "context": 0.0, "state": 0.5, "rest": 2.0, "total": 1.5},
+             {"own": 0.2, "context": 0.1, "state": 0.0, "rest": -0.1, "total": 0.2}]
+    out = flip_summary(terms)
+    assert out["dominant"] == {"own": 1, "context": 0, "state": 0, "rest": 1} and out["own_grew"] == 1
+    assert out["median_ratio_to_own"] == pytest.approx((2.5 + 0.0) / 2)
+    assert flip_summary([])["tokens"] == 0
+
+
+def test_self_test_passes_only_the_first_order_construction():
+    from pdm_lab.audit import self_test
+
+    def rules(rate, kept=50):
+        entry = {"unsafe_keep_pooled": rate, "kept_disagreement_tokens": kept}
+        return {"pdm_topk": {"scored_against": "topk_kl", "topk_kl": entry, "full_kl": entry}}
+
+    assert self_test(rules(0.0))["passed"] is True
+    failed = self_test(rules(0.3))  # a swapped estimator keeps growing tokens
+    assert failed["passed"] is False and "pdm_topk" in failed["failures"][0]
+    assert self_test(rules(0.3, kept=3))["passed"] is None  # too few tokens: not tested

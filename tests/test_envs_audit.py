@@ -332,3 +332,28 @@ def test_context_hash_in_one_pass_equals_the_column_loop():
         assert torch.equal(context_hash(obs, 3), loop(obs, 3))
     big = torch.randint(0, 2 ** 40, (8, 4), generator=gen)  # the loop's branch
     assert torch.equal(context_hash(big, 1), loop(big, 1))
+
+
+@pytest.mark.slow
+def test_quick_preset_has_twenty_disagreement_tokens_per_seed_at_a_trained_point():
+    from pdm_lab.envs.presets import AUDIT_PRESETS
+
+    cfg = AUDIT_PRESETS["quick"]
+    doc = run_audit(cfg)
+    pair = doc["pairs"][0]
+    assert pair["audit_step"] == cfg.main_step > 0
+    assert pair["disagreement_mean"] >= 20, pair["disagreement_per_seed"]
+    assert pair["verdict"].startswith(INSUFFICIENT)  # two seeds: never a verdict
+    assert [p["step"] for p in doc["trajectory"]] == list(cfg.audit_at)
+
+
+@pytest.mark.slow
+def test_paper_preset_has_the_papers_power_per_seed():
+    from pdm_lab.envs.presets import AUDIT_PRESETS
+
+    cfg = dataclasses.replace(AUDIT_PRESETS["paper"], seeds=1, trajectory_seeds=0, flip_tokens=4)
+    doc = run_audit(cfg)
+    assert doc["outside_mean"] >= 1000 and doc["pairs"][0]["disagreement_mean"] >= 50, (
+        doc["outside_mean"], doc["pairs"][0]["disagreement_mean"])
+    regime = doc["regime"]
+    assert 0.0002 <= regime["outside_fraction"] <= 0.01 and regime["tail_ratio"] >= 30
