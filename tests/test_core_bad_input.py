@@ -140,6 +140,17 @@ def test_logits_row_without_a_finite_entry_is_named(compiled):
         policy_on_support(logits, support.ids, compiled=compiled)
 
 
+@settings(max_examples=25)
+@given(st.integers(1, 30), st.data())
+def test_the_first_row_without_a_finite_logit_is_named(n_rows, data):
+    rows = sorted(data.draw(st.sets(st.integers(0, n_rows - 1), min_size=1, max_size=n_rows)))
+    logits = torch.randn(n_rows, 16)
+    logits[rows] = float("-inf")
+    ids = torch.arange(3).repeat(n_rows, 1)
+    with pytest.raises(PDMInputError, match=rf"every logit −inf .* at position \[{rows[0]}\]; {len(rows)} such"):
+        policy_on_support(logits, ids, chunk_size=data.draw(st.integers(1, 8)))
+
+
 def test_logits_overflowing_at_a_tiny_temperature_are_named():
     support, *_ = _loss_inputs()
     with pytest.raises(PDMInputError, match=r"logits / temperature overflows torch.float32"):
