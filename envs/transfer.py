@@ -250,8 +250,10 @@ def run_transfer(run_dir: Path, out: Path, *, preset_name: str = "paper", seeds:
         target, target_source = audited, "audit.jsonl (the sample holds too few outside tokens)"
     base = preset(AUDIT_PRESETS, preset_name)
     doc = apply_overrides(to_dict(base), list(overrides))
-    doc.update(rules=[a, b], extra_rules=[r for r in rules[2:]], delta=delta, k=k, contexts=["shared"],
-               k_sweep=[], stress_mismatch="", n_boot=n_boot)
+    # the run's rules, δ and K; the main study only (no K sweep, stress or trajectory study)
+    changes = dict(rules=[a, b], extra_rules=[r for r in rules[2:]], delta=delta, k=k, contexts=["shared"],
+                   k_sweep=[], stress_mismatch="", trajectory_seeds=0, n_boot=n_boot)
+    doc.update({key: value for key, value in changes.items() if key in doc})
     if seeds is not None:
         doc["seeds"] = seeds
     cfg: AuditConfig = from_dict(AuditConfig, doc)

@@ -20,6 +20,7 @@ Rates are NaN where nothing was counted; ``json_safe`` writes them as null.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -156,6 +157,14 @@ def restore_optimizer(snap: HostSnapshot, params: list[Tensor], optimizer: torch
                 live[key] = copy.deepcopy(value)
     for group, saved in zip(optimizer.param_groups, snap.groups):
         group.update(copy.deepcopy(saved))
+
+
+def support_in_float64(support):
+    """μ's support as the rules built it (in the engine's dtype, whose rounding its checks allow),
+    with μ cast to float64 for the measurement of D. Casting first and building in float64 would
+    re-check a float32 head mass of 1 + 1e-8 against float64 rounding and refuse it."""
+    return dataclasses.replace(support, mu_logp=support.mu_logp.double(), mu_tail_logp=support.mu_tail_logp.double(),
+                               mu_kth_logp=support.mu_kth_logp.double())
 
 
 def pairs_of(rules: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:

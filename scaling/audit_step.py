@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pdm_lab.audit import regime_table
-from pdm_lab.audit_live import HostSnapshot, merge_records, step_record
+from pdm_lab.audit_live import HostSnapshot, merge_records, step_record, support_in_float64
 from pdm_lab.masks import outside_region
 from pdm_lab.policy_side import PolicyOnSupport
 from pdm_lab.stats import token_stats
@@ -60,12 +60,12 @@ def rule_mask_config(mask_cfg, rule: str, delta: float):
 @torch.no_grad()
 def measured_divergence(policy, mb: MicroBatch, mask_cfg, vocab_size: int, temperature: float,
                         chunk_tokens: int | None) -> Tensor:
-    """[n] top-K KL D(μ‖π) of the micro-batch's response tokens in float64 (μ cast to float64
-    before its support is built; lm_head and the softmax in float64). Collective under FSDP."""
+    """[n] top-K KL D(μ‖π) of the micro-batch's response tokens in float64 (μ's support as the
+    rules build it, then cast; lm_head and the softmax in float64). Collective under FSDP."""
     valid = mb.response_mask.reshape(-1).nonzero(as_tuple=True)[0]
-    support = support_from_topk(mb.topk_ids[valid], mb.topk_logp[valid].double(), mb.sampled[valid],
-                                mb.sampled_logp[valid].double(), vocab_size=vocab_size, k=mask_cfg.k,
-                                convention=mask_cfg.convention)
+    support = support_in_float64(support_from_topk(mb.topk_ids[valid], mb.topk_logp[valid], mb.sampled[valid],
+                                                   mb.sampled_logp[valid], vocab_size=vocab_size, k=mask_cfg.k,
+                                                   convention=mask_cfg.convention))
     logp, tail, sumsq = policy(mb.input_ids, mb.attention_mask, mb.positions, support.ids, temperature,
                                chunk_tokens, head_dtype=torch.float64)
     pi = PolicyOnSupport(logp=logp.double(), tail_logp=tail.double(), tail_log_sumsq=sumsq.double())

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..audit import regime_table
-from ..audit_live import HostSnapshot, flat_metrics, json_safe, merge_records, step_record
+from ..audit_live import HostSnapshot, flat_metrics, json_safe, merge_records, step_record, support_in_float64
 from ..masks import outside_region
 from ..policy_side import policy_on_support
 from ..stats import token_stats
@@ -47,17 +47,18 @@ def _rows(batch: dict, lo: int, hi: int) -> dict:
 
 @torch.no_grad()
 def measured_divergence(trainer, model, inputs: dict) -> Tensor:
-    """[n] top-K KL D(μ‖π) of the completion tokens in float64 (μ and the logits cast first)."""
+    """[n] top-K KL D(μ‖π) of the completion tokens in float64 (μ's support as the rules build it,
+    then cast; the logits cast before the softmax)."""
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     b, t = completion_ids.shape
     logits = model(input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
                    attention_mask=torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
                    logits_to_keep=t + 1).logits[:, :-1]
     flat = completion_mask.bool().reshape(-1)
-    support = support_from_topk(
-        inputs["pdm_topk_ids"].reshape(b * t, -1)[flat], inputs["pdm_topk_logp"].reshape(b * t, -1)[flat].double(),
-        completion_ids.reshape(-1)[flat], inputs["pdm_mu_logp"].reshape(-1)[flat].double(),
-        vocab_size=logits.size(-1), k=trainer.pdm_mask.k, convention=trainer.pdm_mask.convention)
+    support = support_in_float64(support_from_topk(
+        inputs["pdm_topk_ids"].reshape(b * t, -1)[flat], inputs["pdm_topk_logp"].reshape(b * t, -1)[flat],
+        completion_ids.reshape(-1)[flat], inputs["pdm_mu_logp"].reshape(-1)[flat],
+        vocab_size=logits.size(-1), k=trainer.pdm_mask.k, convention=trainer.pdm_mask.convention))
     pi = policy_on_support(logits.reshape(b * t, -1)[flat].double(), support.ids, temperature=trainer.temperature)
     return token_stats(support, pi, binary=False).topk_kl
 
