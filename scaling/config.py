@@ -11,6 +11,8 @@ import dataclasses
 from pathlib import Path
 from typing import Annotated, Any
 
+# the ``audit:`` section (SPEC §6c) is the core's, shared with the TRL trainer's audit
+from pdm_lab.audit_live import LiveAuditConfig as AuditConfig
 from pdm_lab.config import (ConfigError, MaskConfig, apply_overrides, at_least, config_dataclass, dump_yaml,
                             from_dict, in_range, non_negative, one_of, positive, read_yaml, to_dict)
 
@@ -315,34 +317,6 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         one_of("launch.backend", self.backend, ("auto", "gloo", "nccl"))
-
-
-@config_dataclass("audit")
-class AuditConfig:
-    """The direction audit on the live batch (SPEC §6, §6c; ``scaling/audit_step.py``): every
-    ``every`` steps, one optimiser step per rule from the same parameters and AdamW state, ΔD on
-    the batch's outside tokens, everything restored bit-exactly; one line per audited step in
-    ``run_dir/audit.jsonl``. K is ``mask.k`` (the rollout's top-K). Off by default."""
-
-    every: Annotated[int, at_least(0)] = 0
-    """Audit every this many steps (0: never). The paper audited 61 batches of 1024 sequences."""
-    rules: tuple[str, ...] = ("dppo_topk_kl", "pdm_topk")
-    """The compared rules; the first is the reference every other is paired with (paper: the
-    ratio test vs PDM)."""
-    delta: Annotated[float, non_negative] | None = None
-    """δ of the audited rules and of the outside set (None: ``mask.delta``; paper: 0.15)."""
-    tolerance: Annotated[float, non_negative] = 1e-9
-    """|ΔD| ≤ tolerance counts as flat: D is measured with lm_head and the softmax in float64 on
-    the trainer's decoder, which is deterministic, so a step that does not move a token gives
-    ΔD = 0 exactly."""
-
-    def __post_init__(self) -> None:
-        from pdm_lab.masks import MASK_RULES
-
-        if len(self.rules) < 2:
-            raise ConfigError(f"audit.rules: compare at least two rules, got {list(self.rules)}")
-        for i, rule in enumerate(self.rules):
-            one_of(f"audit.rules[{i}]", rule, MASK_RULES)
 
 
 @config_dataclass("provenance")
