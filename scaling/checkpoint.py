@@ -8,7 +8,9 @@ and are renamed after every rank has finished, so a run killed while saving leav
 checkpoint as the latest complete one. On resume the checksums are verified: a damaged
 checkpoint (bytes changed, truncated or emptied shards) is skipped with a warning naming it, and
 the newest intact one is used; an explicitly named damaged checkpoint is a one-line error naming
-the file. Everything is loaded with ``weights_only=True`` (no pickled code runs on resume).
+the file, and so is a run whose every checkpoint is damaged (they stay in place: no restart from
+step 1 whose saves would rotate them away). Everything is loaded with ``weights_only=True`` (no
+pickled code runs on resume).
 
 What makes resume exact: the model, the optimiser moments and step counts, the learning-rate
 schedule (a function of the step), the prompt order (``PromptSampler`` state), and sampling seeds
@@ -21,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from .distributed import broadcast_object
 
 COMPLETE = "COMPLETE"
+STEP_NAME = re.compile(r"step_\d{8}")
 
 
 class CheckpointError(RuntimeError):
@@ -114,24 +118,58 @@ def list_complete(run_dir: Path) -> list[Path]:
     root = checkpoint_dir(run_dir)
     if not root.exists():
         return []
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and STEP_NAME.fullmatch(p.name)
                   and (p / COMPLETE).exists())
+
+
+def step_of(path: Path) -> int:
+    """The step a checkpoint directory ``step_<8 digits>`` holds."""
+    return int(Path(path).name.split("_", 1)[1])
+
+
+def _newest_intact(run_dir: Path, warn) -> tuple[str | None, str | None]:
+    """(the newest complete checkpoint whose checksums verify, or None; the error when there are
+    complete checkpoints and every one is damaged, else None). Damaged newer ones are warned about
+    when an intact one is found; all of them are left in place."""
+    damaged = []
+    for path in reversed(list_complete(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            for bad, why in damaged:
+                warn(f"[checkpoint] warning: skipping damaged checkpoint {bad}: {why}")
+            return str(path), None
+        damaged.append((path, problem))
+    if not damaged:
+        return None, None
+    names = "; ".join(f"{path.name} ({why.replace(str(path) + '/', '')})" for path, why in damaged)
+    return None, (f"cannot resume {run_dir}: every checkpoint is damaged, all left in place (restore or move them, "
+                  f"or set checkpoint.resume=never to start over and replace them): {names}")
 
 
 def intact_checkpoint(run_dir: Path, warn=None) -> Path | None:
     """The newest complete checkpoint whose checksums verify; each damaged newer one is reported
-    through ``warn`` (default: stderr) by name and skipped. Rank 0 verifies, the others follow."""
+    through ``warn`` (default: stderr) by name and skipped. None: no complete checkpoint. When
+    every complete checkpoint is damaged, a ``CheckpointError`` naming each (on every rank):
+    resuming from step 1 would lose the run and its saves would rotate the only copies away.
+    Rank 0 verifies, the others follow."""
     warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    chosen = None
-    if _rank() == 0:
-        for path in reversed(list_complete(run_dir)):
-            problem = verify_checkpoint(path)
-            if problem is None:
-                chosen = str(path)
-                break
-            warn(f"[checkpoint] warning: skipping damaged checkpoint {path}: {problem}")
-    chosen = broadcast_object(chosen)
+    chosen, error = broadcast_object(_newest_intact(run_dir, warn) if _rank() == 0 else (None, None))
+    if error is not None:
+        raise CheckpointError(error)
     return Path(chosen) if chosen else None
+
+
+def resolve_resume(cfg, warn=None):
+    """``cfg`` with ``checkpoint.resume: auto`` replaced by the checkpoint it resolves to (a
+    path, or ``never`` when the run has none), so the launcher verifies once, stops in one line
+    when every checkpoint is damaged, and the ranks load the named one."""
+    import dataclasses
+
+    if cfg.checkpoint.resume != "auto":
+        return cfg
+    path = intact_checkpoint(cfg.resolved_run_dir, warn)
+    resume = str(path) if path is not None else "never"
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))
 
 
 def _states(policy, optimizer):
@@ -163,7 +201,9 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, extra: dict, ke
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        for old in list_complete(run_dir)[:-keep_last]:
+        # rotate among steps up to this one: a later step left by an earlier attempt (damaged,
+        # or the resume would have started there) is kept, and this save always survives
+        for old in [p for p in list_complete(run_dir) if step_of(p) <= step][:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final

@@ -381,6 +381,9 @@ class TrainConfig:
     """Set by ``pdm-lab promote``; informational."""
 
     def __post_init__(self) -> None:
+        from pdm_lab.runtime.outputs import check_name
+
+        check_name(self.name, "name")  # runs/<name> stays inside runs/
         tiny = self.model.tiny
         if tiny is not None and self.mask.k > tiny.vocab_size:  # K tokens of a smaller vocabulary
             raise ConfigError(f"mask.k: {self.mask.k} exceeds the vocabulary (model.tiny.vocab_size = "

@@ -92,8 +92,10 @@ def _remove_if_only_lock(run_dir: Path) -> None:
 
 
 def _launch_locked(cfg: TrainConfig, nproc: int) -> int:
+    from .checkpoint import resolve_resume
     from .loop import run_training
 
+    cfg = resolve_resume(cfg)  # verified once here; every checkpoint damaged: one line, none touched
     preflight(cfg)
     if nproc == 1:
         run_training(cfg)
