@@ -38,8 +38,9 @@ COMPLETE = "COMPLETE"
 STEP_NAME = re.compile(r"step_\d{8}")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the path and the damaged file."""
+class CheckpointError(OSError):
+    """A checkpoint that cannot be used (the user's files: exit status 2); the message names the
+    path and the damaged file."""
 
 
 def _rank() -> int:
