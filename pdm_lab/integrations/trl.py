@@ -18,6 +18,9 @@ Three overrides, the fewest TRL 1.16 allows (it has no hook for a custom mask):
 * ``_compute_loss`` — π on the support through ``policy_on_support`` (chunked gather: no [B·T, V]
   float32 log-softmax), then ``pdm_policy_loss``; its metrics go to TRL's logs as ``pdm/...``.
 
+``audit=LiveAuditConfig(every=N, …)`` runs the direction audit (SPEC §6c) on every N-th training
+generation batch (``trl_audit.py``): ``output_dir/audit.jsonl`` and ``pdm/audit/...`` in the logs.
+
 μ stays the rollout's for every reuse of a batch (``num_iterations > 1``), as the trust region
 requires. Tested with the TRL versions in ``pdm_lab.integrations.versions.TESTED``.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..audit_live import LiveAuditConfig
 from ..config import MaskConfig
 from ..engine_topk import EngineTopK, pad_responses, topk_from_ranked
 from ..loss import pdm_policy_loss
@@ -68,8 +72,10 @@ class PDMGRPOTrainer(GRPOTrainer):
     penalty (``beta``) must be 0 and multimodal/tool rollouts are not supported (clear errors).
     """
 
-    def __init__(self, *args, mask: MaskConfig | None = None, **kwargs):
+    def __init__(self, *args, mask: MaskConfig | None = None, audit: LiveAuditConfig | None = None, **kwargs):
         self.pdm_mask = mask or MaskConfig()
+        self.pdm_audit = audit or LiveAuditConfig()
+        self._pdm_audit_batches = 0
         super().__init__(*args, **kwargs)
         if self.beta != 0.0:
             raise ValueError("PDMGRPOTrainer: set GRPOConfig(beta=0.0); the KL penalty is not part of pdm_lab's loss")
@@ -143,11 +149,19 @@ class PDMGRPOTrainer(GRPOTrainer):
         output["pdm_topk_logp"] = batch.logp.to(device)
         output["pdm_mu_logp"] = batch.sampled_logp.to(device)
         self._pdm_rollout = []
+        if self.pdm_audit.every and self.model.training:  # SPEC §6c on the fresh batch, before any step
+            self._pdm_audit_batches += 1
+            if self._pdm_audit_batches % self.pdm_audit.every == 0:
+                from .trl_audit import audit_generation_batch
+
+                audit_generation_batch(self, output)
         return output
 
     # --- the loss: pdm_lab's ---------------------------------------------------------------------
-    def pdm_loss_output(self, model, inputs):
-        """``LossOutput`` of ``pdm_policy_loss`` on this batch (also used by the tests)."""
+    def pdm_loss_output(self, model, inputs, mask: MaskConfig | None = None):
+        """``LossOutput`` of ``pdm_policy_loss`` on this batch (also used by the tests; ``mask``:
+        another rule's section, for the audit; default the trainer's)."""
+        mask = mask or self.pdm_mask
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         if "tool_mask" in inputs:
@@ -161,11 +175,11 @@ class PDMGRPOTrainer(GRPOTrainer):
         support = support_from_topk(
             inputs["pdm_topk_ids"].reshape(b * t, -1), inputs["pdm_topk_logp"].reshape(b * t, -1),
             completion_ids.reshape(-1), inputs["pdm_mu_logp"].reshape(-1), vocab_size=logits.size(-1),
-            k=self.pdm_mask.k, convention=self.pdm_mask.convention, row_mask=flat)
+            k=mask.k, convention=mask.convention, row_mask=flat)
         pi = policy_on_support(logits.reshape(b * t, -1), support.ids, temperature=self.temperature)
         advantages = inputs["advantages"]
         advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand(b, t).float()
-        return pdm_policy_loss(pi, support, advantages, resp, self.pdm_mask)
+        return pdm_policy_loss(pi, support, advantages, resp, mask)
 
     def _compute_loss(self, model, inputs):
         out = self.pdm_loss_output(model, inputs)
