@@ -78,6 +78,10 @@ def dry_run(cfg: TrainConfig, *, log=print, nproc: int | None = None) -> dict:
     check_host(cfg, lay.world)
     get_verifier(cfg.reward.verifier)
     report["verifier"] = cfg.reward.verifier
+    if cfg.audit.every:  # the direction audit's host snapshot (SPEC §6c)
+        from .audit_step import audit_memory
+
+        report["audit"] = audit_memory(cfg, lay.world)
 
     if cfg.model.tiny is not None:
         syn = cfg.data.synthetic
