@@ -35,7 +35,7 @@ def _margin(out, cfg) -> float:
 
 def _mismatch(batch, cfg, out, ref_loss, ref_keep, compiled=False) -> str | None:
     """Why the fast path's loss, gradient or keep mask differs from the reference's (None: equal)."""
-    (grad,) = torch.autograd.grad(out.loss, batch.logits, retain_graph=True)
+    (grad,) = torch.autograd.grad(out.loss, batch.logits)  # once: a compiled backward keeps no graph
     (ref_grad,) = torch.autograd.grad(ref_loss, batch.logits, retain_graph=True)
     if not torch.equal(out.keep.bool(), ref_keep):
         return f"keep differs at {(out.keep.bool() != ref_keep).nonzero().tolist()}"
@@ -68,7 +68,7 @@ def test_fast_eager_path_equals_the_reference(seed, b, t, n, k, mismatch, rule, 
 
 
 @pytest.mark.slow
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(**CASES)
 def test_fast_compiled_path_equals_the_reference(seed, b, t, n, k, mismatch, rule, convention, aggregation, cap,
                                                  delta):
