@@ -145,9 +145,9 @@ def _check_normalisers(logits: Tensor, lse: Tensor, temperature: float) -> None:
     with torch.no_grad():
         raise_at("logits", torch.isnan(logits), "NaN logit")
         raise_at("logits", logits == float("inf"), "+inf logit")
-        raise_at("logits", lse == float("-inf"), "row with every logit −inf (no probability to "
-                 "normalise; row index)")
-        raise_at("logits", ~torch.isfinite(lse), f"logits / temperature overflows {lse.dtype} "
+        raise_at("logits", (logits == float("-inf")).all(dim=1), "row with every logit −inf (no "
+                 "probability to normalise; row index)")
+        raise_at("logits", ~torch.isfinite(lse), f"logits / temperature leaves {lse.dtype}'s range "
                  f"(temperature {temperature!r}; row index)")
 
 

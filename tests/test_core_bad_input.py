@@ -153,8 +153,10 @@ def test_the_first_row_without_a_finite_logit_is_named(n_rows, data):
 
 def test_logits_overflowing_at_a_tiny_temperature_are_named():
     support, *_ = _loss_inputs()
-    with pytest.raises(PDMInputError, match=r"logits / temperature overflows torch.float32"):
-        policy_on_support(torch.full((4, 10), 3e38), support.ids, temperature=1e-3)
+    for sign in (1, -1):  # +inf, or −inf everywhere though no logit is −inf
+        with pytest.raises(PDMInputError, match=r"logits / temperature leaves torch.float32's range "
+                                                r"\(temperature 0.001; row index\) at position \[0\]; 4 such"):
+            policy_on_support(torch.full((4, 10), sign * 3e38), support.ids, temperature=1e-3)
 
 
 def test_reference_checks_the_same_rows():
