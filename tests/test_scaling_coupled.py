@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdm_lab.config import MaskConfig
-from pdm_lab.scaling import coupled as sc
+from pdm_lab.scaling import coupled_fd as sc
 from pdm_lab.scaling import train_step
 from pdm_lab.scaling.config import TinyModelConfig, TrainerConfig
 from pdm_lab.scaling.policy_model import PolicyModel
