@@ -184,8 +184,8 @@ class Evidence:
         """Why the choice is not evidence (empty: it is)."""
         out = list(self.shortfalls)
         if self.separation is not None and not self.separation.separated:
-            out.insert(0, f"not separated from the runner-up {self.runner_up.label} at 95% "
-                          f"({self.separation.text()})")
+            out.insert(0, f"not separated from the runner-up {self.runner_up.cell_id} ({self.runner_up.rows[0].rule}) "
+                          f"at 95%: {self.separation.text()}")
         return out
 
     def regime(self) -> str:
@@ -209,7 +209,8 @@ class Evidence:
         out.append(f"regime: {self.regime()}")
         problems = self.problems
         if not problems:
-            out.append("verdict: separated at 95%")
+            out.append("verdict: separated at 95%" if self.runner_up is not None else
+                       "verdict: the only never-collapsed cell (every other cell collapsed)")
         else:
             out.append(("verdict: NOT evidence, promoted with --allow-tie: " if allow_tie else "verdict: ")
                        + "; ".join(problems))
@@ -221,7 +222,8 @@ class Evidence:
         def est(e):
             return None if e is None else {"mean": _none(e.mean), "ci95": [_none(e.lo), _none(e.hi)], "runs": e.n}
 
-        return {"criterion": CRITERION, "separated": not self.problems, "allow_tie": allow_tie,
+        return {"criterion": CRITERION, "separated": bool(sep is not None and sep.separated),
+                "sufficient": not self.problems, "allow_tie": allow_tie,
                 "chosen": est(sep.best if sep else None), "chosen_cell": self.chosen.cell_id,
                 "runner_up_cell": self.runner_up.cell_id if self.runner_up else None,
                 "runner_up": est(sep.runner_up if sep else None),
@@ -291,7 +293,7 @@ def promote(sweep_dir: Path, base: Path, out: Path, *, criterion: str = "reward"
     mask = from_dict(MaskConfig, fields, where="mask")
     proof = evidence(cells, best)
     if proof.problems and not allow_tie:
-        raise NotSeparatedError(f"{sweep_dir}: refusing to promote cell {best.label}: "
+        raise NotSeparatedError(f"{sweep_dir}: refusing to promote cell {best.cell_id} ({best.rows[0].rule}): "
                                 + "; ".join(proof.problems) + " (--allow-tie promotes it anyway)")
     metrics: dict[str, Any] = {"seeds": best.seeds, "collapsed_any": best.collapsed,
                                "cells_total": len(cells),

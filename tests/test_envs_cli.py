@@ -44,7 +44,7 @@ def test_quick_preset_end_to_end(tmp_path):
         assert needle in report
     # 10-step runs over 2 seeds: no collapse rate, no winner (only what was measured)
     assert "- lowest collapse rate: n/a (runs of 10 steps; the collapse definition needs ≥ 30)" in report
-    assert "- highest final reward: no winner: tied (" in report and "2 seeds, fewer than the 3" in report
+    assert "- highest final reward: no winner: tied (" in report and "2 seeds < 3 per configuration" in report
     for png in ("learning_curves", "final_reward_vs_mismatch", "collapse_vs_mismatch",
                 "unsafe_keep_vs_mismatch", "mask_fraction_vs_mismatch"):
         assert (out / "figures" / f"{png}.png").stat().st_size > 1000

@@ -43,7 +43,7 @@ def test_the_issue_example_names_no_winner():
     groups = _by_config(rows)
     text = _winner(groups, REWARD)
     assert text.startswith("no winner: tied (best ppo_clip 0.136") and "**" not in text
-    assert "includes 0" in text and "2 seeds, fewer than the 3 a winner needs" in text
+    assert "includes 0" in text and "2 seeds < 3 per configuration" in text
     assert _winner(groups, COLLAPSE) == "n/a (runs of 10 steps; the collapse definition needs ≥ 30)"
     report = "\n".join(sweep_section(rows, {}, None))
     assert "| ppo_clip | 2 | 0.136 [" in report and "| n/a |" in report  # the collapse column

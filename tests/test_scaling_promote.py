@@ -113,7 +113,7 @@ def test_the_issue_example_is_refused_and_allow_tie_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "refusing to promote cell c_ppo" in err
     assert "not separated from the runner-up c_dppo" in err and "includes 0" in err
-    assert "10 steps, shorter than the 30" in err and "2 seeds, fewer than the 3" in err
+    assert "runs of 10 steps < 30, the collapse definition's minimum" in err and "2 seeds < 3 per configuration" in err
     assert not out.exists() and not Path(str(out) + ".pdm.yaml").exists()
     assert main(args + ["--allow-tie"]) == 0
     text = out.read_text()
@@ -123,6 +123,16 @@ def test_the_issue_example_is_refused_and_allow_tie_says_so(tmp_path, capsys):
     assert cfg.provenance.metrics["evidence"]["allow_tie"] and not cfg.provenance.metrics["evidence"]["separated"]
 
 
+def test_the_only_never_collapsed_cell_says_so(tmp_path):
+    rows = cell_rows("a", "pdm_topk", [0.9, 0.91, 0.92], estimator="topk") + cell_rows(
+        "b", "ppo_clip", [0.95, 0.2, 0.9], collapsed=(1,))
+    out = tmp_path / "only.yaml"
+    promote(sweep_dir(tmp_path, rows), BASE, out, log=lambda *_: None)
+    ev = load_config(out).provenance.metrics["evidence"]
+    assert ev["sufficient"] and not ev["separated"] and ev["runner_up_cell"] is None
+    assert "# verdict: the only never-collapsed cell (every other cell collapsed)" in out.read_text()
+
+
 def test_each_shortfall_alone_refuses(tmp_path):
     """Separated but too short; separated but too few seeds; long and many but tied."""
     cases = {"too_short": cell_rows("a", "pdm_topk", [0.9, 0.91, 0.92], steps=20, estimator="topk")
@@ -130,7 +140,7 @@ def test_each_shortfall_alone_refuses(tmp_path):
              "too_few": cell_rows("a", "pdm_topk", [0.9, 0.91], estimator="topk") + cell_rows("b", "ppo_clip", [0.5, 0.51]),
              "tied": cell_rows("a", "pdm_topk", [0.9, 0.5, 0.7, 0.8], estimator="topk")
              + cell_rows("b", "ppo_clip", [0.6, 0.8, 0.7, 0.75])}
-    why = {"too_short": "20 steps, shorter than the 30", "too_few": "2 seeds, fewer than the 3",
+    why = {"too_short": "runs of 20 steps < 30", "too_few": "2 seeds < 3",
            "tied": "not separated from the runner-up b"}
     for name, rows in cases.items():
         with pytest.raises(SweepError, match=why[name]) as err:
@@ -277,8 +287,8 @@ def test_promote_cli(tmp_path, capsys):
     assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out)]) == 0
     assert yaml.safe_load(out.read_text())["mask"]["rule"] == "pdm_uniform"
     capsys.readouterr()
-    assert main(["promote", str(sweep), "--base", str(BASE), "--out", str(out), "--tie-tol", "-1"]) == 2
-    assert "--tie-tol" in capsys.readouterr().err
+    with pytest.raises(SweepError, match="--tie-tol: must be a finite number ≥ 0"):  # the library's own guard
+        choose(group_cells(SWEEP), tie_tol=-1.0)
     assert main(["promote", str(tmp_path / "missing"), "--base", str(BASE), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "no results.json" in err and err.count("\n") == 1
@@ -293,7 +303,7 @@ def test_promote_from_a_real_toy_sweep(tmp_path):
                  "base.problem.kind=bandit", "base.policy=tabular", "base.steps=3", "--seeds", "2",
                  "--workers", "1", "--no-audit", "--quiet", "--out", str(out_dir)]) == 0
     out = tmp_path / "promoted.yaml"
-    with pytest.raises(SweepError, match="3 steps, shorter than"):  # a 3-step toy is no evidence
+    with pytest.raises(SweepError, match="runs of 3 steps < 30"):  # a 3-step toy is no evidence
         promote(out_dir, BASE, out, log=lambda *_: None)
     prov = promote(out_dir, BASE, out, allow_tie=True, log=lambda *_: None)
     cfg = load_config(out)

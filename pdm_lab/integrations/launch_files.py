@@ -61,7 +61,8 @@ def evidence_lines(prov: dict) -> list[str]:
              f"regime: {ev.get('regime')}"]
     problems = ev.get("problems") or []
     if not problems:
-        lines.append("verdict: separated at 95%")
+        lines.append("verdict: separated at 95%" if ev.get("runner_up_cell") is not None else
+                     "verdict: the only never-collapsed cell (every other cell collapsed)")
     else:
         lines.append(("verdict: NOT evidence, promoted with --allow-tie: " if ev.get("allow_tie") else "verdict: ")
                      + "; ".join(problems))

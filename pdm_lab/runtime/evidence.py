@@ -50,10 +50,9 @@ def shortfalls(*, steps: int | None, seeds: int) -> list[str]:
     """Why runs of ``steps`` steps over ``seeds`` seeds cannot name a winner (empty: they can)."""
     out = []
     if steps is not None and not collapse_measurable(steps):
-        out.append(f"runs of {steps} steps, shorter than the {COLLAPSE_MIN_STEPS} the collapse definition "
-                   f"needs (its smoothing window, a tenth of the run, must average ≥ {COLLAPSE_MIN_WINDOW} batches)")
+        out.append(f"runs of {steps} steps < {COLLAPSE_MIN_STEPS}, the collapse definition's minimum")
     if seeds < MIN_SEEDS:
-        out.append(f"{seeds} seed{'s' if seeds != 1 else ''}, fewer than the {MIN_SEEDS} a winner needs")
+        out.append(f"{seeds} seed{'s' if seeds != 1 else ''} < {MIN_SEEDS} per configuration")
     return out
 
 
