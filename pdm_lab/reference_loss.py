@@ -34,18 +34,14 @@ def pdm_policy_loss_reference(logits: Tensor, topk_ids: Tensor, topk_logp: Tenso
     rows, k, resp = torch.arange(n), sampled.long(), response_mask.reshape(-1).bool()
     # SPEC §2: S = μ's top-K plus k (union), or k in the K-th slot (kslot); μ on S, μ_T from the head
     top_ids, top_logp = topk_ids[:, :cfg.k].long(), topk_logp[:, :cfg.k].double()
-    real = top_ids >= 0
-    in_s = torch.zeros(n, vocab, dtype=torch.bool)
-    log_mu = torch.full((n, vocab), float("-inf"), dtype=torch.float64)
-    in_s[rows[:, None].expand_as(top_ids)[real], top_ids[real]] = True
-    log_mu[rows[:, None].expand_as(top_ids)[real], top_ids[real]] = top_logp[real]
-    k_outside = ~in_s[rows, k]
-    if cfg.convention == "kslot":  # k replaces the K-th (last real) top slot
-        last = top_ids.gather(1, (real.sum(1, keepdim=True) - 1).clamp(min=0))[:, 0]
-        in_s[rows[k_outside], last[k_outside]] = False
-    in_s[rows, k] = True
-    log_mu[rows, k] = sampled_logp.double()
-    mu = torch.where(in_s, log_mu, float("-inf")).exp()
+    real = top_ids >= 0  # padding (−1) adds nothing below
+    in_s = torch.zeros(n, vocab, dtype=torch.float64).scatter_add(1, top_ids.clamp(min=0), real.double()) > 0
+    mu = torch.zeros(n, vocab, dtype=torch.float64).scatter_add(1, top_ids.clamp(min=0), real * top_logp.exp())
+    if cfg.convention == "kslot":  # k replaces the K-th (last real) top slot when it is not in the top-K
+        last = top_ids.gather(1, (real.sum(1, keepdim=True) - 1).clamp(min=0))[:, 0].clamp(min=0)
+        in_s[rows, last] &= in_s[rows, k]
+    in_s[rows, k], mu[rows, k] = True, sampled_logp.double().exp()
+    mu = torch.where(in_s, mu, 0.0)
     t = vocab - in_s.sum(1)
     # μ_T = 1 − e^{log Σ_S μ} without the cancellation of 1 − Σ_S μ (SPEC §8); 0 for an empty tail
     mu_t = torch.where(t > 0, -torch.expm1(torch.logsumexp(mu.log(), 1)), 0.0).clamp(min=0)
@@ -84,14 +80,11 @@ def pdm_policy_loss_reference(logits: Tensor, topk_ids: Tensor, topk_logp: Tenso
     if cfg.clip_ratio_c is not None:
         ratio = ratio * (ratio.detach().clamp(max=cfg.clip_ratio_c) / ratio.detach())
     per_token = torch.where(keep, -adv * ratio, 0.0).reshape(response_mask.shape)
-    mask = response_mask.double()
-    if cfg.aggregation == "token-mean":
-        loss = per_token.sum() / mask.sum().clamp(min=1)
-    else:
-        count = mask.sum(1)
-        seq = {"seq-mean-token-mean": per_token.sum(1) / count.clamp(min=1), "seq-mean-token-sum": per_token.sum(1),
-               "seq-mean-token-sum-norm": per_token.sum(1) / (cfg.horizon or response_mask.shape[1])}
-        loss = seq[cfg.aggregation][count > 0].sum() / (count > 0).sum().clamp(min=1)
+    count = response_mask.sum(1)
+    seq = {"seq-mean-token-mean": per_token.sum(1) / count.clamp(min=1), "seq-mean-token-sum": per_token.sum(1),
+           "seq-mean-token-sum-norm": per_token.sum(1) / (cfg.horizon or response_mask.shape[1])}
+    loss = per_token.sum() / count.sum().clamp(min=1) if cfg.aggregation == "token-mean" else \
+        seq[cfg.aggregation][count > 0].sum() / (count > 0).sum().clamp(min=1)
     return loss, (~drop).reshape(response_mask.shape)
 
 
