@@ -61,3 +61,26 @@ def test_preset_and_report_table():
     text = "\n".join(collapse_section(rows))
     assert "| `temperature:-0.5` | none | 4 | 3 | 0.75 [" in text
     assert "sgd 10 | 40 | 1 × 1 |" in text
+
+
+def _noise_collapse_rate(steps: int, trials: int = 600) -> float:
+    """How often a run whose policy never changes is flagged collapsed: batch rewards of 64
+    responses at a success rate of 0.14 (the quick preset's reward level and batch size)."""
+    import random
+
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(trials):
+        curve = [sum(rng.random() < 0.14 for _ in range(64)) / 64 for _ in range(steps)]
+        hits += is_collapsed(curve, drop=0.5, nonfinite=False)
+    return hits / trials
+
+
+def test_the_minimum_run_length_is_where_batch_noise_stops_passing_for_collapse():
+    """At 10 steps (``make run``'s sweep) batch noise alone is flagged in about a fifth of runs:
+    the flag means nothing there, so the report shows n/a. At COLLAPSE_MIN_STEPS it is rare; a
+    minimum set at 10 (the planted bug) would fail the second check."""
+    from pdm_lab.envs.collapse import COLLAPSE_MIN_STEPS
+
+    assert _noise_collapse_rate(10) > 0.12
+    assert _noise_collapse_rate(COLLAPSE_MIN_STEPS) < 0.05
