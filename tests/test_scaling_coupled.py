@@ -201,7 +201,7 @@ def test_promotable_from_a_sweep(tmp_path):
     from test_scaling_promote import row
 
     rows = [dataclasses.replace(row(cell, rule, reward + 0.01 * seed, seed), estimator="topk")
-            for cell, rule, reward in (("a", "pdm_topk", 0.7), ("b", "pdm_coupled", 0.8)) for seed in range(2)]
+            for cell, rule, reward in (("a", "pdm_topk", 0.7), ("b", "pdm_coupled", 0.8)) for seed in range(3)]
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     write_results(sweep, rows)
