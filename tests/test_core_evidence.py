@@ -89,3 +89,14 @@ def test_collapse_minimum_comes_from_the_window():
     assert shortfalls(steps=COLLAPSE_MIN_STEPS, seeds=evidence.MIN_SEEDS) == []
     why = shortfalls(steps=10, seeds=2)
     assert len(why) == 2 and "10 steps" in why[0] and "2 seeds" in why[1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=2, max_size=8), st.lists(st.floats(-5, 5), min_size=2, max_size=8))
+def test_welch_interval_is_antisymmetric_and_contains_the_difference(a, b):
+    d, lo, hi, _ = welch_diff_ci(a, b)
+    d2, lo2, hi2, _ = welch_diff_ci(b, a)
+    assert d == pytest.approx(-d2, abs=1e-12)
+    assert (lo, hi) == (pytest.approx(-hi2, abs=1e-9), pytest.approx(-lo2, abs=1e-9))
+    assert lo - 1e-12 <= d <= hi + 1e-12
+    assert not (separation(a, b).separated and separation(b, a).separated)  # never both ways
