@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from .summary import config_label, group_rows, mean_ci, mismatch_label, wilson_ci  # noqa: E402
+from .summary import collapse_rate, config_label, group_rows, mean_ci, mismatch_label, wilson_ci  # noqa: E402
 
 X_LABEL = "realised mismatch: mean top-K KL(μ‖π) at update time"
 
@@ -101,8 +101,7 @@ def sweep_figures(runs: list[dict], out: Path) -> dict[str, Path]:
         rows, lambda cell: mean_ci(r["final_reward"] for r in cell), "final reward of π (95% CI)",
         out / "final_reward_vs_mismatch.png")
     figs["collapse"] = _vs_mismatch(
-        rows, lambda cell: wilson_ci(sum(bool(r["collapsed"]) for r in cell), len(cell)),
-        "collapse rate (Wilson 95% CI)", out / "collapse_vs_mismatch.png")
+        rows, collapse_rate, "collapse rate (Wilson 95% CI)", out / "collapse_vs_mismatch.png")
     figs["unsafe_keep"] = _vs_mismatch(
         rows, lambda cell: mean_ci(r["unsafe_keep"] for r in cell), "unsafe-keep rate (95% CI)",
         out / "unsafe_keep_vs_mismatch.png")

@@ -140,7 +140,7 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
     lines += ["", "### Figures", ""]
     captions = {"learning_curves": "Learning curves (mean batch reward, ±1.96 s.e. over seeds)",
                 "final_reward": "Final reward of π against realised mismatch",
-                "collapse": "Collapse rate against realised mismatch",
+                "collapse": f"Collapse rate against realised mismatch (no points for runs shorter than {COLLAPSE_MIN_STEPS} steps)",
                 "unsafe_keep": "Unsafe-keep rate (kept outside tokens whose D grew after the step) against realised mismatch",
                 "mask_fraction": "Fraction of tokens masked against realised mismatch"}
     for name, path in figures.items():

@@ -71,6 +71,14 @@ def pooled_unsafe_keep(rows: list[dict]) -> tuple[float, int]:
     return float(finalize(pooled)["u"]), int(pooled["u"].count)
 
 
+def collapse_rate(rows: list[dict]) -> tuple[float, float, float]:
+    """Collapse rate and its Wilson interval; NaN where a run is shorter than the collapse
+    definition needs (``pdm_lab.runtime.evidence.COLLAPSE_MIN_STEPS``)."""
+    if not all(collapse_measurable(r["steps"]) for r in rows):
+        return math.nan, math.nan, math.nan
+    return wilson_ci(sum(bool(r["collapsed"]) for r in rows), len(rows))
+
+
 def config_summary(rows: list[dict]) -> dict:
     """Final reward (mean, CI), collapse rate (Wilson CI; NaN where a run is shorter than the
     collapse definition needs), pooled unsafe-keep, mask fraction."""
@@ -80,7 +88,7 @@ def config_summary(rows: list[dict]) -> dict:
     mask = mean_ci(r["mask_fraction"] for r in rows)
     uk, uk_n = pooled_unsafe_keep(rows)
     return {"runs": len(rows), "final_reward": reward,
-            "collapse": wilson_ci(collapsed, len(rows)) if measurable else (math.nan,) * 3,
+            "collapse": collapse_rate(rows),
             "collapses": collapsed, "collapse_measurable": measurable, "unsafe_keep": uk,
             "unsafe_keep_tokens": uk_n, "mask_fraction": mask,
             "mismatch": mean_ci((r["update_topk_kl_mean"] for r in rows), n_boot=500)}

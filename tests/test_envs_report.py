@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdm_lab.envs.report import COLLAPSE, REWARD, _by_config, _winner, sweep_section
-from pdm_lab.envs.summary import config_label, mean_ci, newcombe_diff_ci, wilson_ci
+from pdm_lab.envs.summary import collapse_rate, config_label, mean_ci, newcombe_diff_ci, wilson_ci
 
 
 @given(st.lists(st.floats(-10, 10), min_size=1, max_size=30))
@@ -62,6 +62,14 @@ def test_a_separated_winner_is_named_with_its_interval():
     assert _winner(tied, REWARD).startswith("no winner: tied (")
     one = _by_config(_rows("pdm_topk", [0.9, 0.5, 0.7]))
     assert "nothing to compare" in _winner(one, REWARD)
+
+
+def test_collapse_rate_only_for_runs_long_enough():
+    """The rate behind the collapse column and figure: NaN if any run is shorter than 30 steps."""
+    assert all(math.isnan(v) for v in collapse_rate(_rows("none", [0.1, 0.2, 0.3], steps=29, collapsed=(0,))))
+    assert collapse_rate(_rows("none", [0.1, 0.2, 0.3], steps=30, collapsed=(0,))) == wilson_ci(1, 3)
+    mixed = _rows("none", [0.1], steps=10) + _rows("none", [0.1, 0.2], steps=40)
+    assert math.isnan(collapse_rate(mixed)[0])
 
 
 @given(st.integers(0, 20), st.integers(1, 20), st.integers(0, 20), st.integers(1, 20))
