@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdm_lab.config import at_least
+from pdm_lab.runtime.cli import integer
+
 from .runner import ClaimResult, run_proofs, select_claims
 
 DEFAULT_OUT = "results/proofs.md"
@@ -23,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--only", default=None, metavar="PATTERN",
                         help="run only claims whose name matches: a glob (*bound*) or a substring; "
                              "comma-separate several")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=integer(at_least(0)), default=0,
                         help="seed of the random instances (default: 0)")
     parser.add_argument("--list", action="store_true", help="list the claims and exit")
     parser.set_defaults(func=prove)

@@ -163,6 +163,7 @@ TABLE = [
     ("bench-loop-rounds-0", [*_BENCH, "--loop-rounds", "0"], E, "--loop-rounds"),
     ("bench-loop-ranks-negative", [*_BENCH, "--loop-ranks", "-1"], E, "--loop-ranks"),
     ("prove-seed-1e20", ["prove", "--seed", "1e20", "--list"], E, "--seed"),
+    ("prove-seed-negative", ["prove", "--seed", "-1", "--list"], E, "--seed"),
     ("prove-no-such-claim", ["prove", "--only", "no_such_claim_xyz", "--list"], E, "no_such_claim_xyz"),
     ("promote-tie-tol-negative", ["promote", "{tmp}/sweep", "--base", "{q4b}", "--out", "{tmp}/p.yaml",
                                   "--tie-tol", "-1"], E, "--tie-tol"),
