@@ -562,7 +562,8 @@ def _seed_path(seed_dir, seed: int):
 
 
 #: Fields that do not change a seed's record (so runs over different seed ranges share a store).
-_RUN_ONLY_FIELDS = ("seeds", "first_seed", "n_boot", "stress_mismatch", "stress_seeds", "k_sweep", "k_sweep_seeds")
+_RUN_ONLY_FIELDS = ("seeds", "first_seed", "n_boot", "stress_mismatch", "stress_seeds", "k_sweep", "k_sweep_seeds",
+                    "trajectory_seeds")
 
 
 def seed_key(cfg: AuditConfig) -> str:
@@ -626,21 +627,11 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
-def _trajectory(cfg: AuditConfig, policies: TrainedPolicies, main: dict, seed_dir, tick) -> list[dict]:
-    """The main pair at every audit point (earlier points over the first ``trajectory_seeds``
-    seeds, the main point from the main study)."""
-    points = []
-    seeds = range(cfg.first_seed, cfg.first_seed + min(cfg.trajectory_seeds, cfg.seeds))
-    traj_cfg = replace(cfg, extra_rules=())
-    for step in cfg.audit_at[:-1]:
-        per_seed = []
-        for seed in seeds:
-            per_seed.append(_audit_seed_resumable(traj_cfg, seed, seed_dir, None, step=step, policies=policies,
-                                                  contexts=cfg.contexts[:1]))
-            if tick:
-                tick()
-        if per_seed:
-            points.append(_point(cfg, per_seed, _main_pair_summary(cfg, per_seed, cfg.contexts[0])))
+def _trajectory(cfg: AuditConfig, earlier: dict[int, list[dict]], main: dict) -> list[dict]:
+    """The main pair at every audit point: the earlier points over the seeds audited there
+    (`earlier`: step → per-seed records), the main point from the main study."""
+    points = [_point(cfg, per_seed, _main_pair_summary(cfg, per_seed, cfg.contexts[0]))
+              for step, per_seed in earlier.items() if per_seed]
     return points + [_point(cfg, main["per_seed"], main["pair"])]
 
 
@@ -710,10 +701,18 @@ def run_audit(cfg: AuditConfig, *, progress_bar: bool = False, seed_dir=None) ->
     problem = make_problem(cfg.problem)
     policies = TrainedPolicies(cfg, problem, None if seed_dir is None else Path(seed_dir) / "policies")
     per_seed, pooled = [], []
-    for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):
+    earlier: dict[int, list[dict]] = {step: [] for step in cfg.audit_at[:-1]}
+    traj_cfg = replace(cfg, extra_rules=())
+    for i, seed in enumerate(range(cfg.first_seed, cfg.first_seed + cfg.seeds)):
         per_seed.append(_audit_seed_resumable(cfg, seed, seed_dir, pooled, policies=policies))
         if tick:
             tick()
+        if i < cfg.trajectory_seeds:  # the seed's earlier points at once: a killed run keeps them
+            for step in earlier:
+                earlier[step].append(_audit_seed_resumable(traj_cfg, seed, seed_dir, None, step=step,
+                                                           policies=policies, contexts=cfg.contexts[:1]))
+                if tick:
+                    tick()
     main_s = time.perf_counter() - start
     contexts = {}
     for ctx in cfg.contexts:
@@ -728,7 +727,7 @@ def run_audit(cfg: AuditConfig, *, progress_bar: bool = False, seed_dir=None) ->
         main["coupling"] = _mean_coupling([s["contexts"]["shared"]["coupling"] for s in per_seed])
     main["flips"] = flip_decomposition(cfg, per_seed, main_ctx)
     regime = _pooled_regime(pooled)
-    trajectory = _trajectory(cfg, policies, {"per_seed": per_seed, "pair": main["pairs"][0]}, seed_dir, tick)
+    trajectory = _trajectory(cfg, earlier, {"per_seed": per_seed, "pair": main["pairs"][0]})
     studies = {"k_sweep": _k_sweep(cfg, progress=tick) if cfg.k_sweep else [],
                "stress": _stress(cfg, main["pairs"][0], progress=tick, seed_dir=seed_dir) if cfg.stress_mismatch else None}
     if bar:

@@ -81,18 +81,24 @@ class TrainedPolicies:
         done, policy, opt, rng = state
         plain = plain_config(self.cfg)
         mismatch = Mismatch.parse(self.cfg.mismatch)
-        for _ in range(done, step):
-            batch = self.problem.collect(policy, mismatch, plain.groups_per_step, plain.group_size, rng)
-            plain_step(plain, policy, opt, batch)
+        for now in range(done, step + 1):
+            if now in self.cfg.audit_at or now == step:  # every audit point on the way is kept
+                self._snapshot(run, now, policy)
+            if now < step:
+                batch = self.problem.collect(policy, mismatch, plain.groups_per_step, plain.group_size, rng)
+                plain_step(plain, policy, opt, batch)
         self._runs[run] = (step, policy, opt, rng)
+        return self.at(run, step)
+
+    def _snapshot(self, run: int, step: int, policy: nn.Module) -> None:
         saved = {k: v.detach().clone() for k, v in policy.state_dict().items()}
         self._snapshots[(run, step)] = saved
-        if path is not None:
+        path = self._path(run, step)
+        if path is not None and not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             torch.save(saved, tmp)
             tmp.replace(path)
-        return self.at(run, step)
 
     def _start(self, run: int):
         policy = new_policy(self.cfg, self.problem, run)

@@ -94,9 +94,9 @@ AUDIT_PRESETS: dict[str, AuditConfig] = {
     "quick": AuditConfig(**_AUDIT_NET, seeds=2, sequences=1024, audit_at=(0, 10), trajectory_seeds=1,
                          extra_rules=(), n_boot=2000, flip_tokens=16),
     # the paper's statistics: 61 seeds × 1024 sequences at a trained point (step 20), the
-    # trajectory over three points on 3 seeds; the paper's pair only (the float64 audit of ~10⁵
+    # trajectory over three points on 2 seeds; the paper's pair only (the float64 audit of ~10⁵
     # tokens per seed is the cost)
-    "paper": AuditConfig(**_AUDIT_NET, audit_at=(0, 10, 20), trajectory_seeds=3, extra_rules=(),
+    "paper": AuditConfig(**_AUDIT_NET, audit_at=(0, 10, 20), trajectory_seeds=2, extra_rules=(),
                          flip_tokens=16),
     # the earlier harsh audit: bandit, i.i.d. noise, 16 tokens per state
     "stress": AuditConfig(mismatch="noise:1", seeds=16, k_sweep=(5, 20, 100), k_sweep_seeds=4),
