@@ -562,8 +562,7 @@ def _seed_path(seed_dir, seed: int):
 
 
 #: Fields that do not change a seed's record (so runs over different seed ranges share a store).
-_RUN_ONLY_FIELDS = ("seeds", "first_seed", "n_boot", "stress_mismatch", "stress_seeds", "k_sweep", "k_sweep_seeds",
-                    "trajectory_seeds")
+_RUN_ONLY_FIELDS = ("seeds", "first_seed", "n_boot", "stress_mismatch", "stress_seeds", "k_sweep", "k_sweep_seeds")
 
 
 def seed_key(cfg: AuditConfig) -> str:
