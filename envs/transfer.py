@@ -212,6 +212,7 @@ def markdown(doc: dict) -> str:
              f"fraction {100 * doc['target_outside_fraction']:.3g}%, from {doc['target_source']}).", "",
              "| quantity | toy (calibrated) | loop |", "| --- | --- | --- |"]
     lines += [f"| {q} | {t} | {l} |" for q, t, l in rows]
+    lines.append("")
     for name, reg in (("run (mismatch sample)", doc.get("run_regime")), ("toy (pooled seeds)", doc.get("toy_regime"))):
         if reg:
             q = reg["d_quantiles"]
@@ -224,9 +225,27 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def run_transfer(run_dir: Path, out: Path, *, preset_name: str = "paper", seeds: int | None = None,
-                 mismatch: str | None = None, overrides: list[str] = (), n_boot: int = 2000, log=print) -> dict:
-    """Steps 1–4 of the module docstring; writes ``transfer.json`` and ``transfer.md`` into ``out``."""
+def _pooled_sample(run_dirs: list[Path], out: Path) -> Path:
+    """One run's mismatch sample, or several runs' concatenated into ``out`` (seeds of one setting)."""
+    if len(run_dirs) == 1:
+        return run_dirs[0]
+    pooled = out / "mismatch_sample.jsonl"
+    with pooled.open("w", encoding="utf-8") as fh:
+        for run in run_dirs:
+            path = run / "mismatch_sample.jsonl"
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: no per-token mismatch sample (the scaling loop writes it)")
+            fh.write(path.read_text(encoding="utf-8"))
+    return pooled
+
+
+def run_transfer(run_dir, out: Path, *, preset_name: str = "paper", seeds: int | None = None,
+                 mismatch: str | None = None, overrides: list[str] = (), n_boot: int = 2000,
+                 search_iters: int = 12, log=print) -> dict:
+    """Steps 1–4 of the module docstring; writes ``transfer.json`` and ``transfer.md`` into ``out``.
+
+    ``run_dir``: one run directory, or a list of them (seeds of one setting): their audited steps
+    are pooled as audit points and their mismatch samples concatenated."""
     from pdm_lab.config import apply_overrides, from_dict, to_dict
 
     from .audit import AuditConfig, run_audit
@@ -234,11 +253,16 @@ def run_transfer(run_dir: Path, out: Path, *, preset_name: str = "paper", seeds:
     from .presets import AUDIT_PRESETS, preset
 
     start = time.perf_counter()
-    run_dir = Path(run_dir)
-    lines = read_audit_lines(run_dir)
+    run_dirs = [Path(r) for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
+    lines = [line for run in run_dirs for line in read_audit_lines(run)]
+    for line in lines[1:]:
+        for key in ("rules", "delta", "k"):
+            if line[key] != lines[0][key]:
+                raise ValueError(f"{key}: the runs audited different settings ({line[key]!r} vs {lines[0][key]!r})")
+    out.mkdir(parents=True, exist_ok=True)
     rules, delta, k = lines[0]["rules"], float(lines[0]["delta"]), int(lines[0]["k"])
     a, b = rules[0], rules[1]
-    run_regime = run_table(run_dir, delta)
+    run_regime = run_table(_pooled_sample(run_dirs, out), delta)
     outside = sum(r["outside"] for r in lines)
     considered = sum(r["tokens"] - r["zero_advantage"] for r in lines)
     audited = outside / considered if considered else 0.0
@@ -261,7 +285,7 @@ def run_transfer(run_dir: Path, out: Path, *, preset_name: str = "paper", seeds:
         if target <= 0:
             log("[transfer] the run has no outside tokens at this δ: the toy keeps the preset's mismatch")
         else:
-            mismatch, _ = search_strength(cfg, target, seeds=2,
+            mismatch, _ = search_strength(cfg, target, seeds=2, iters=search_iters,
                                           progress=lambda s, f: log(f"  {s}: outside {100 * f:.3f}%"))
     if mismatch is not None:
         cfg = replace(cfg, mismatch=mismatch)
@@ -269,14 +293,13 @@ def run_transfer(run_dir: Path, out: Path, *, preset_name: str = "paper", seeds:
     toy_doc = run_audit(cfg)
     toy = side_summary(toy_points(toy_doc, a, b), a, b, n_boot=n_boot)
     loop = side_summary(loop_points(lines, a, b), a, b, n_boot=n_boot)
-    result = {"run_dir_name": run_dir.name, "rules": list(rules), "delta": delta, "k": k,
+    result = {"run_dir_name": ", ".join(r.name for r in run_dirs), "rules": list(rules), "delta": delta, "k": k,
               "preset": preset_name, "toy_mismatch": cfg.mismatch, "target_outside_fraction": target,
               "target_source": target_source, "audited_outside_fraction": audited,
               "run_regime": run_regime, "toy_regime": toy_doc.get("regime"),
               "loop_tolerance": lines[0].get("tolerance"), "toy_tolerance": cfg.tolerance,
               "toy_config": to_dict(cfg), "toy": toy, "loop": loop, "transfer": transfer_verdict(toy, loop),
               "wall_s": time.perf_counter() - start}
-    out.mkdir(parents=True, exist_ok=True)
     from pdm_lab.audit_live import json_safe
 
     (out / "transfer.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n", encoding="utf-8")
@@ -294,12 +317,14 @@ def add_parser(subparsers) -> None:
                     "outside fraction, runs the toy audit with the run's rules, δ and K, and writes transfer.json and "
                     "transfer.md: outside and disagreement fractions, unsafe-keep and shrink per rule, A − B, with CIs, "
                     "toy vs loop, and whether the toy's verdict holds.")
-    p.add_argument("run_dir", type=Path, help="a scaling run directory trained with audit.every=N")
+    p.add_argument("run_dir", type=Path, nargs="+",
+                   help="scaling run directories trained with audit.every=N (several: seeds of one setting, pooled)")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS), help="toy setting (default: paper)")
     p.add_argument("--seeds", type=int, help="toy seeds (default: the preset's)")
     p.add_argument("--mismatch", help="use this toy mismatch instead of calibrating")
     p.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("--search-iters", type=int, default=12, help="bisection steps of the calibration (default 12)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="toy AuditConfig overrides, e.g. sequences=256")
     p.set_defaults(func=main)
 
@@ -311,7 +336,7 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     try:
         doc = run_transfer(args.run_dir, args.out, preset_name=args.preset, seeds=args.seeds, mismatch=args.mismatch,
-                           overrides=args.overrides, n_boot=args.n_boot)
+                           overrides=args.overrides, n_boot=args.n_boot, search_iters=args.search_iters)
     except (FileNotFoundError, ValueError, ConfigError, KeyError) as err:
         print(f"pdm-lab transfer: error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -101,16 +101,30 @@ def _run_dir(tmp_path):
 def test_transfer_command_as_a_user_runs_it(tmp_path):
     run, out = _run_dir(tmp_path), tmp_path / "out"
     cmd = [sys.executable, "-m", "pdm_lab", "transfer", str(run), "--out", str(out), "--preset", "quick",
-           "--seeds", "2", "--n-boot", "200", "sequences=64", "group_size=8"]
+           "--seeds", "2", "--n-boot", "200", "--search-iters", "3", "sequences=64", "group_size=8", "audit_at=[0]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     doc = json.loads((out / "transfer.json").read_text())
     assert doc["target_outside_fraction"] == pytest.approx(0.005, rel=0.2)
+    assert doc["target_source"] == "mismatch_sample.jsonl"
     assert doc["toy_mismatch"] != "none" and doc["toy"]["points"] == 2 and doc["loop"]["points"] == 3
     assert doc["loop"][A]["unsafe_keep"]["rate"] == pytest.approx(0.75)
     assert doc["transfer"].startswith("insufficient data")  # 3 loop points, 2 toy seeds: below SPEC §6's minimum
     md = (out / "transfer.md").read_text()
     assert "| outside fraction" in md and "insufficient data" in md
+
+
+def test_transfer_pools_several_runs_and_refuses_mixed_settings(tmp_path):
+    runs = []
+    for name, delta in (("a", 0.15), ("b", 0.15), ("c", 0.05)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "audit.jsonl").write_text("\n".join(json.dumps(dict(line(s), delta=delta)) for s in (1, 2)) + "\n")
+        runs.append(run)
+    with pytest.raises(ValueError, match="delta"):
+        transfer.run_transfer(runs, tmp_path / "out", preset_name="quick", seeds=1)
+    lines = [x for run in runs[:2] for x in transfer.read_audit_lines(run)]
+    assert len(transfer.loop_points(lines, A, B)) == 4  # two runs' steps 1, 2: four audit points
 
 
 def test_transfer_command_names_a_missing_audit_in_one_line(tmp_path):
