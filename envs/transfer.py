@@ -309,6 +309,8 @@ def run_transfer(run_dir, out: Path, *, preset_name: str = "paper", seeds: int |
 
 def add_parser(subparsers) -> None:
     """The ``transfer`` subcommand (registered by ``envs.commands.register_transfer``)."""
+    from pdm_lab.runtime.cli import int_at_least
+
     from .presets import AUDIT_PRESETS
 
     p = subparsers.add_parser(
@@ -321,10 +323,10 @@ def add_parser(subparsers) -> None:
                    help="scaling run directories trained with audit.every=N (several: seeds of one setting, pooled)")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS), help="toy setting (default: paper)")
-    p.add_argument("--seeds", type=int, help="toy seeds (default: the preset's)")
+    p.add_argument("--seeds", type=int_at_least(1), help="toy seeds (default: the preset's)")
     p.add_argument("--mismatch", help="use this toy mismatch instead of calibrating")
-    p.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
-    p.add_argument("--search-iters", type=int, default=12, help="bisection steps of the calibration (default 12)")
+    p.add_argument("--n-boot", type=int_at_least(1), default=2000, help="bootstrap resamples")
+    p.add_argument("--search-iters", type=int_at_least(1), default=12, help="bisection steps of the calibration (default 12)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="toy AuditConfig overrides, e.g. sequences=256")
     p.set_defaults(func=main)
 
