@@ -36,15 +36,17 @@ REALISTIC_MISMATCH = "bf16_engine:0+lognormal:0.06"
 #: where an audit batch still holds a few disagreement tokens.
 REALISTIC_STRONG = "bf16_engine:0+lognormal:0.09"
 
-#: The audit's LLM-like regime (SPEC §6b at the paper's power): long responses (EOS the favourite in
-#: 0.6% of prior rows: ~100 tokens per response, so a 1024-sequence batch holds ~10⁵ tokens and
-#: ~10³ outside δ at < 1%), vocabulary 256 to keep the float64 audit small.
+#: The audit's LLM-like regime at the paper's power: long responses (EOS the favourite in 0.35% of
+#: prior rows: ~140 tokens per response, so a 1024-sequence batch holds ~1.4·10⁵ tokens and
+#: ~2·10³ outside δ), vocabulary 256 to keep the float64 audit small. Measured at step 20, seed 0
+#: (README): 1.6% of Â ≠ 0 tokens outside δ (above SPEC §6b's 1%: the band and ≥ 50 disagreement
+#: tokens per seed need longer responses still), p99.9/p50 618, top-20 mass ≥ 0.99 at 95%.
 AUDIT_PROBLEM = ProblemConfig(kind="token_mdp", token_mdp=TokenMDPConfig(
-    vocab_size=256, max_len=256, paraphrases=64, prior_rows=4096, temperature=0.3,
-    temperature_spread=1.5, eos_top_fraction=0.006, logit_offset=20.0))
+    vocab_size=256, max_len=384, paraphrases=64, prior_rows=4096, temperature=0.3,
+    temperature_spread=1.5, eos_top_fraction=0.0035, logit_offset=20.0))
 #: Its mismatch: a bf16 engine plus an output-layer error driven by the shared activations
 #: (``outlier``: correlated across contexts as an engine's rounding is, heavy-tailed in D).
-AUDIT_MISMATCH = "bf16_engine:0+outlier:0.35:1"
+AUDIT_MISMATCH = "bf16_engine:0+outlier:0.3:1"
 #: The audited network: overlapping hashed context features, trained by plain GRPO before each
 #: audit point (``audit_points``).
 _AUDIT_NET = dict(problem=AUDIT_PROBLEM, policy="neural", mismatch=AUDIT_MISMATCH, context_features=64,
@@ -91,7 +93,7 @@ SWEEP_PRESETS: dict[str, SweepConfig] = {
 
 AUDIT_PRESETS: dict[str, AuditConfig] = {
     # make run's audit: two seeds at a trained point (too few for a verdict: it says so)
-    "quick": AuditConfig(**_AUDIT_NET, seeds=2, sequences=1024, audit_at=(0, 10), trajectory_seeds=1,
+    "quick": AuditConfig(**_AUDIT_NET, seeds=2, sequences=512, audit_at=(0, 10), trajectory_seeds=1,
                          extra_rules=(), n_boot=2000, flip_tokens=16),
     # the paper's statistics: 61 seeds × 1024 sequences at a trained point (step 20), the
     # trajectory over three points on 2 seeds; the paper's pair only (the float64 audit of ~10⁵
