@@ -25,13 +25,14 @@ import yaml
 from .direction import DDOT_ESTIMATORS
 from .masks import MASK_RULES, MaskRule
 from .support import CONVENTIONS
+from .errors import UserInputError
 
 T = TypeVar("T")
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError, ValueError):
     """A config or command-line value that cannot be used: unknown key, wrong type, value out of
     range, a YAML file that does not parse. The command line prints it in one line, exit status 2."""
 

@@ -13,6 +13,12 @@ class PDMInputError(ValueError):
     """Bad input to a pdm_lab function: names the argument and the first offending position."""
 
 
+class UserInputError(Exception):
+    """Marker base of the errors that are about what the user gave or has (a config value, a results
+    folder, a locked directory, a plugin): the command line maps them to exit status 2. Defined
+    here, below everything, so that ``is_input_error`` imports no module that imports this one."""
+
+
 def first_position(bad: Tensor) -> tuple[int, ...]:
     """Index tuple of the first True entry of a boolean tensor (row-major)."""
     flat = int(torch.nonzero(bad.reshape(-1), as_tuple=False)[0, 0])
@@ -114,13 +120,7 @@ def is_input_error(err: BaseException) -> bool:
     or ``KeyError`` from deep inside included, is an internal error."""
     import yaml
 
-    from .config import ConfigError
-    from .runtime.locking import LockHeldError
-    from .runtime.plugins import PluginError
-    from .runtime.results import ResultsError
-
-    return isinstance(err, (ConfigError, ResultsError, LockHeldError, PluginError, yaml.YAMLError, OSError,
-                            ImportError))
+    return isinstance(err, (UserInputError, yaml.YAMLError, OSError, ImportError))
 
 
 def exit_code(err: BaseException) -> int:

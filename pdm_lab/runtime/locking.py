@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from ..errors import UserInputError
 
 LOCK_NAME = ".pdm_lab.lock"
 
@@ -24,7 +25,7 @@ LOCK_NAME = ".pdm_lab.lock"
 _HELD: dict[str, list[int]] = {}
 
 
-class LockHeldError(RuntimeError):
+class LockHeldError(UserInputError, RuntimeError):
     """Another live process holds the directory's lock; the message names it."""
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
+from ..errors import UserInputError
 
 COMMANDS = "pdm_lab.commands"
 BENCHMARKS = "pdm_lab.benchmarks"
@@ -25,7 +26,7 @@ BENCHMARKS = "pdm_lab.benchmarks"
 BENCHMARKS_ON_DEMAND = "pdm_lab.benchmarks.on_demand"
 
 
-class PluginError(RuntimeError):
+class PluginError(UserInputError, RuntimeError):
     """An entry point that cannot be loaded or does not do what its group promises."""
 
 

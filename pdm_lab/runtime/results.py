@@ -24,13 +24,14 @@ import re
 import typing
 from pathlib import Path
 from typing import Any, Iterable
+from ..errors import UserInputError
 
 SCHEMA_VERSION = 1
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
 
 
-class ResultsError(ValueError):
+class ResultsError(UserInputError, ValueError):
     """A sweep results file or path that cannot be used (one line: file, row, column)."""
 
 
