@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
-from pdm_lab.config import ConfigError, at_least, config_dataclass, from_dict, non_negative, to_dict  # field checks
+from pdm_lab.config import (ConfigError, at_least, config_dataclass, from_dict, in_range, non_empty,  # field checks
+                            non_negative, to_dict)
 from pdm_lab.runtime.locking import DirLock
 from pdm_lab.runtime.outputs import claim_output_dir
 from pdm_lab.masks import get_mask_rule
@@ -38,20 +39,20 @@ class SweepConfig:
 
     base: TrainConfig = field(default_factory=TrainConfig)
     """everything that is not swept (problem, policy, optimiser, steps, …)."""
-    rules: tuple[str, ...] = ("dppo_topk_kl", "pdm_uniform")
+    rules: Annotated[tuple[str, ...], non_empty] = ("dppo_topk_kl", "pdm_uniform")
     """mask rules (pdm_lab.masks registry)."""
-    mismatches: tuple[str, ...] = ("none", "noise:1")
+    mismatches: Annotated[tuple[str, ...], non_empty] = ("none", "noise:1")
     """μ's mismatch per cell, ``kind:strength`` (see ``mismatch``)."""
     base_mismatch: str = ""
     """composed into every cell's mismatch (e.g. ``stale:2``); empty for none."""
-    deltas: Annotated[tuple[float, ...], non_negative] = (0.15,)
+    deltas: Annotated[tuple[float, ...], non_negative, non_empty] = (0.15,)
     """δ values."""
-    ks: Annotated[tuple[int, ...], at_least(1)] = (20,)
-    """K values."""
-    conventions: tuple[str, ...] = ("union",)
+    ks: Annotated[tuple[int, ...], at_least(1), non_empty] = (20,)
+    """K values, each at most the problem's vocabulary n."""
+    conventions: Annotated[tuple[str, ...], non_empty] = ("union",)
     """support conventions."""
-    seeds: Annotated[int, at_least(1)] = 3
-    """runs per cell, seeds first_seed … first_seed + seeds − 1."""
+    seeds: Annotated[int, in_range(1, 100_000)] = 3
+    """runs per cell, seeds first_seed … first_seed + seeds − 1 (beyond 10⁵ is a typo: weeks of CPU)."""
     first_seed: Annotated[int, at_least(0)] = 0
     """first seed."""
 
@@ -60,8 +61,12 @@ class SweepConfig:
             Mismatch.parse(spec)  # unknown kinds or bad strengths fail here, not in a worker
         for rule in self.rules:
             replace(self.base.mask, rule=rule)  # MaskConfig validates the rule name
-        if self.seeds < 1:
-            raise ConfigError(f"seeds: must be ≥ 1, got {self.seeds}")
+        for convention in self.conventions:
+            replace(self.base.mask, convention=convention)
+        vocab = self.base.problem.vocab_size
+        if max(self.ks) > vocab:
+            raise ConfigError(f"ks: K = {max(self.ks)} exceeds the vocabulary (base.problem."
+                              f"{self.base.problem.kind}.vocab_size = {vocab})")
 
     def cells(self) -> list[TrainConfig]:
         """One TrainConfig per cell (seed 0; the seed is set per run).
