@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .audit import delta_rates
@@ -271,3 +272,27 @@ def json_safe(obj):
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def distinct_contexts(prompts, responses, response_masks) -> int:
+    """Distinct (prompt, response prefix) contexts among the response tokens: the regime table's
+    tokens-per-context denominator. Each argument is one list of token ids (or 0/1 flags) per
+    sequence; a response ends at its first padding flag."""
+    seen = set()
+    for prompt, ids, resp in zip(prompts, responses, response_masks):
+        h = hash(tuple(prompt))
+        for tok, real in zip(ids, resp):
+            if not real:
+                break
+            seen.add(h)
+            h = hash((h, tok))
+    return len(seen)
+
+
+def gather_objects(obj) -> list:
+    """``obj`` from every rank of the default process group (a one-item list outside one)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pdm_lab.audit import regime_table
-from pdm_lab.audit_live import HostSnapshot, merge_records, step_record, support_in_float64
+from pdm_lab.audit_live import (HostSnapshot, distinct_contexts, gather_objects, merge_records, step_record,
+                                support_in_float64)
 from pdm_lab.masks import outside_region
 from pdm_lab.policy_side import PolicyOnSupport
 from pdm_lab.stats import token_stats
@@ -93,24 +94,7 @@ def _micro_batches(batch, seq_adv: Tensor, pad_id: int, size: int, device) -> li
 
 
 def _distinct_contexts(batch) -> int:
-    """Distinct (prompt, response prefix) contexts among the batch's response tokens."""
-    seen = set()
-    for prompt, ids, resp in zip(batch.prompt_ids, batch.response_ids.tolist(), batch.response_mask.tolist()):
-        h = hash(tuple(prompt))
-        for tok, real in zip(ids, resp):
-            if not real:
-                break
-            seen.add(h)
-            h = hash((h, tok))
-    return len(seen)
-
-
-def _gather(obj) -> list:
-    if _world() == 1:
-        return [obj]
-    out = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
+    return distinct_contexts(batch.prompt_ids, batch.response_ids.tolist(), batch.response_mask.tolist())
 
 
 def audit_live_batch(policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_size: int, pad_id: int,
@@ -163,7 +147,7 @@ def audit_live_batch(policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_si
     local = step_record(rules, keep, delta_d, outside, audit.tolerance)
     local.update(tokens=int(adv.numel()), zero_advantage=int((~considered).sum()),
                  contexts=_distinct_contexts(batch))
-    gathered = _gather((local, d32.double().cpu(), outside.cpu(), considered.cpu(), mu_tail.double().cpu()))
+    gathered = gather_objects((local, d32.double().cpu(), outside.cpu(), considered.cpu(), mu_tail.double().cpu()))
     record = merge_records([g[0] for g in gathered])
     tokens = sum(g[0]["tokens"] for g in gathered)
     record.update(tokens=tokens, zero_advantage=sum(g[0]["zero_advantage"] for g in gathered))

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..audit import regime_table
-from ..audit_live import HostSnapshot, flat_metrics, json_safe, merge_records, step_record, support_in_float64
+from ..audit_live import (HostSnapshot, distinct_contexts, flat_metrics, gather_objects, json_safe, merge_records,
+                          step_record, support_in_float64)
 from ..masks import outside_region
 from ..policy_side import policy_on_support
 from ..stats import token_stats
@@ -64,24 +65,9 @@ def measured_divergence(trainer, model, inputs: dict) -> Tensor:
 
 
 def _distinct_contexts(batch: dict) -> int:
-    seen = set()
-    for p, pm, c, cm in zip(batch["prompt_ids"].tolist(), batch["prompt_mask"].tolist(),
-                            batch["completion_ids"].tolist(), batch["completion_mask"].tolist()):
-        h = hash(tuple(x for x, m in zip(p, pm) if m))
-        for tok, real in zip(c, cm):
-            if not real:
-                break
-            seen.add(h)
-            h = hash((h, tok))
-    return len(seen)
-
-
-def _gather(obj) -> list:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    prompts = [[x for x, m in zip(p, pm) if m]
+               for p, pm in zip(batch["prompt_ids"].tolist(), batch["prompt_mask"].tolist())]
+    return distinct_contexts(prompts, batch["completion_ids"].tolist(), batch["completion_mask"].tolist())
 
 
 def audit_generation_batch(trainer, batch: dict) -> dict:
@@ -137,7 +123,7 @@ def audit_generation_batch(trainer, batch: dict) -> dict:
     local = step_record(rules, keep, delta_d, outside, cfg.tolerance)
     local.update(tokens=int(adv.numel()), zero_advantage=int((~considered).sum()),
                  contexts=_distinct_contexts(batch))
-    gathered = _gather((local, d32.double().cpu(), outside.cpu(), considered.cpu(), mu_tail.double().cpu()))
+    gathered = gather_objects((local, d32.double().cpu(), outside.cpu(), considered.cpu(), mu_tail.double().cpu()))
     record = merge_records([g[0] for g in gathered])
     tokens = sum(g[0]["tokens"] for g in gathered)
     contexts = sum(g[0]["contexts"] for g in gathered)
