@@ -159,5 +159,5 @@ def test_lognormal_spec_and_bad_tail():
 
     m = Mismatch.parse("bf16_engine:0+lognormal:0.06:1.5")
     assert str(m) == "bf16_engine:0+lognormal:0.06:1.5" and m.sources[1].tail == 1.5
-    with pytest.raises(ValueError, match="lognormal only"):
+    with pytest.raises(ValueError, match="lognormal and outlier only"):
         Mismatch.parse("noise:1:2")

@@ -104,7 +104,10 @@ def test_sympy_bomb_is_unparseable_and_its_worker_is_killed(bomb):
     grade_math("1", "2")  # the worker is up: its start-up is not part of the grading
     before = _before(w)
     assert grade_math(bomb, "0") == "unparseable"
-    assert served_and_stopped(before, w, "killed")
+    # Which limit stops it first depends on the machine's speed: the parent's deadline ("killed"),
+    # the worker's own CPU limit ("exited") or its address-space cap ("memory"); each is the budget.
+    assert any(served_and_stopped(before, w, outcome) for outcome in ("killed", "exited", "memory")), (
+        w.counts.last_outcome)
     assert grade_math("\\frac{1}{2}", "0.5") == "equal" and w.counts.last_outcome == "done"  # a fresh one
 
 
