@@ -4,7 +4,6 @@ a sequence mean. The ranks hold different token counts, so a rank normalising by
 (the planted bug: ``DPInfo.all_reduce`` answering the rank's own counts) moves them elsewhere."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -16,22 +15,9 @@ from pdm_lab.scaling.config import TinyModelConfig, TrainerConfig
 from pdm_lab.scaling.policy_model import PolicyModel
 from pdm_lab.scaling.tiny_model import build_model
 
-from test_scaling_units import VOCAB, fake_batch
+from test_scaling_units import VOCAB, StepCfg, fake_batch
 
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, -0.3, 0.3])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rollout:
-    temperature: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Cfg:
-    """The run-config fields ``update_policy`` reads."""
-    mask: MaskConfig
-    trainer: TrainerConfig
-    rollout: _Rollout = _Rollout()
 
 
 def _setup(aggregation: str):
@@ -39,8 +25,8 @@ def _setup(aggregation: str):
     lm = build_model(TinyModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=16,
                                      max_position_embeddings=64, init_std=0.5), VOCAB, eos_id=1, pad_id=0)
     batch = fake_batch(lm, n_prompts=2, g=4, seed=4, temperature=0.6)  # μ ≠ π: the mask drops tokens
-    cfg = Cfg(mask=MaskConfig(rule="pdm_topk", k=5, delta=0.02, aggregation=aggregation),
-              trainer=TrainerConfig(mini_batches=1, micro_batch_size=2, param_dtype="fp32", grad_clip=None))
+    cfg = StepCfg(mask=MaskConfig(rule="pdm_topk", k=5, delta=0.02, aggregation=aggregation),
+                  trainer=TrainerConfig(mini_batches=1, micro_batch_size=2, param_dtype="fp32", grad_clip=None))
     return lm, batch, cfg
 
 
