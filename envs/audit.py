@@ -58,7 +58,7 @@ from pdm_lab.masks import get_mask_rule
 from pdm_lab.masks import outside_region
 from pdm_lab.support import support_from_full
 
-from .audit_flips import decompose, group_ids
+from .audit_flips import decompose, group_ids, row_ids
 from .audit_points import TrainedPolicies, plain_config, plain_step
 from .mismatch import Mismatch
 from .policies import POLICY_KINDS
@@ -270,6 +270,8 @@ class RuleStep:
     """[N] bool."""
     delta: dict[str, Tensor]
     """divergence name (``MEASURED_DIVERGENCES``) → [N] float64 ΔD (NaN off the focus rows)."""
+    step: tuple[Tensor, ...] = ()
+    """Δθ per parameter at step size η (θ_η − θ), for the flip decomposition."""
 
 
 def measure(model: nn.Module, tokens: TokenBatch) -> dict[str, Tensor]:
@@ -308,7 +310,8 @@ def rule_steps(model: nn.Module, tokens: TokenBatch, mask: MaskConfig, cfg: Audi
     keep = out.keep.reshape(-1) > 0
     key = (keep.numpy().tobytes(), tuple(scales))
     if cache is not None and key in cache:
-        return {s: RuleStep(keep=keep, delta=d) for s, d in cache[key].items()}
+        step, deltas = cache[key]
+        return {s: RuleStep(keep=keep, delta=d, step=step) for s, d in deltas.items()}
     start = [p.detach().clone() for p in trial.parameters()]
     opt = make_optimizer(cfg.optimizer, trial.parameters(), cfg.lr)
     opt.zero_grad(set_to_none=True)
@@ -328,14 +331,15 @@ def rule_steps(model: nn.Module, tokens: TokenBatch, mask: MaskConfig, cfg: Audi
             full[focus] = after[name] - before[name]
             delta[name] = full
         deltas[scale] = delta
+    step = tuple(p1 - p0 for p0, p1 in zip(start, stepped))
     if cache is not None:
-        cache[key] = deltas
-    return {s: RuleStep(keep=keep, delta=d) for s, d in deltas.items()}
+        cache[key] = (step, deltas)
+    return {s: RuleStep(keep=keep, delta=d, step=step) for s, d in deltas.items()}
 
 
 def _tokens_per_state(tokens: TokenBatch, resp: Tensor) -> float:
     obs = tokens.obs[resp]
-    return float(obs.shape[0]) / max(1, torch.unique(obs, dim=0).shape[0])
+    return float(obs.shape[0]) / max(1, int(row_ids(obs).max()) + 1 if obs.shape[0] else 1)
 
 
 def _regime_inputs(tokens: TokenBatch, d: Tensor, outside: Tensor, considered: Tensor, k: int,
@@ -373,11 +377,10 @@ def coupling(model: nn.Module, tokens: TokenBatch, focus: Tensor) -> dict:
     hit[state[focus]] = True
     out["same_state_per_outside"] = float((sizes[state[focus]] - 1).double().mean())
     out["same_state_tokens"] = int(hit[state].sum())
-    if hasattr(model, "features"):
-        with torch.no_grad():
-            x = model.features(tokens.obs) != 0
-        active = x[focus].any(dim=0)
-        out["share_feature_tokens"] = int((x & active).any(dim=1).sum())
+    if hasattr(model, "input_key"):
+        key = model.input_key(tokens.obs)  # active input features, −1 for none
+        active = torch.unique(key[focus])
+        out["share_feature_tokens"] = int((torch.isin(key, active[active >= 0])).any(dim=1).sum())
     else:
         out["share_feature_tokens"] = out["same_state_tokens"]
     return out
@@ -413,7 +416,7 @@ def study(cfg: AuditConfig, model: nn.Module, tokens: TokenBatch, focus: Tensor,
                 scored = predicted_divergence(get_mask_rule(rule))
                 grew = torch.nonzero(kept & (steps[rule].delta[scored] > cfg.tolerance))[:, 0][:cfg.flip_tokens]
                 record["flips"][rule] = decompose(model, tokens, cfg.mask(rule, k), cfg.lr, steps[rule].keep,
-                                                  grew, scored, measure)
+                                                  grew, scored, measure, everything=list(steps[rule].step))
         record["pairs"][f"{a}|{b}"] = entry
     return record
 

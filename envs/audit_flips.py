@@ -35,19 +35,46 @@ from .update import TokenBatch, masked_loss
 DIFFERENCE_FRACTION = 0.1
 
 
+#: fixed odd 62-bit multipliers of ``row_ids``'s hash (one per column, cycled).
+_HASH_WEIGHTS = torch.randint(1, 2 ** 62, (4096,), generator=torch.Generator().manual_seed(20_261_202)) | 1
+
+
+def row_ids(rows: Tensor) -> Tensor:
+    """[M, F] → [M] int64 ids in 0…G−1, equal exactly when the rows are equal (G distinct rows).
+
+    ``torch.unique(dim=0)`` sorts whole rows and takes seconds on an audit batch (10⁵ rows); this
+    hashes each row's bits (integer arithmetic, wrapping mod 2⁶⁴, so equal rows hash equally
+    whatever the summation order), groups by the hash, then checks every row against its group's
+    first row and falls back to the row sort if two distinct rows ever share a hash."""
+    m = rows.shape[0]
+    if m == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    flat = rows.reshape(m, -1)
+    if flat.dtype.is_floating_point:
+        bits = flat.float().view(torch.int32).long()
+    else:
+        bits = flat.long()
+    weights = _HASH_WEIGHTS[torch.arange(flat.shape[1]) % _HASH_WEIGHTS.numel()]
+    weights = weights * (1 + torch.arange(flat.shape[1]) // _HASH_WEIGHTS.numel())
+    hashes = (bits * weights).sum(dim=1)
+    _, ids = torch.unique(hashes, return_inverse=True)
+    first = torch.full((int(ids.max()) + 1,), m, dtype=torch.int64).scatter_reduce(
+        0, ids, torch.arange(m), reduce="amin")
+    if not bool((flat == flat[first[ids]]).all()):
+        return torch.unique(flat, dim=0, return_inverse=True)[1]
+    return ids
+
+
 def group_ids(model: nn.Module, tokens: TokenBatch) -> tuple[Tensor, Tensor]:
     """([N] context id, [N] trainable-state id) of each token row.
 
     The context is the whole observation row; the state is what the trainable part reads: the
-    network's input features (``features``), else the encoder's state index, else the row."""
+    network's input (``input_key``), else the encoder's state index, else the row."""
     obs = tokens.obs
-    context = cached_input(obs, ("context_ids",), lambda o: torch.unique(o, dim=0, return_inverse=True)[1])
-    if hasattr(model, "features"):
-        def unique_inputs(o: Tensor) -> Tensor:
-            with torch.no_grad():
-                return torch.unique(model.features(o), dim=0, return_inverse=True)[1]
+    context = cached_input(obs, ("context_ids",), row_ids)
+    if hasattr(model, "input_key"):
         state = cached_input(obs, ("state_ids", type(model).__name__, getattr(model, "context_features", 0)),
-                             unique_inputs)
+                             lambda o: row_ids(model.input_key(o)))
     elif hasattr(model, "encoder"):
         state = model.encoder.state_index(obs)
     else:
@@ -88,15 +115,17 @@ def _directional(model: nn.Module, measure, row: TokenBatch, step: list[Tensor],
 
 
 def decompose(model: nn.Module, tokens: TokenBatch, mask: MaskConfig, lr: float, keep: Tensor,
-              targets: Tensor, name: str, measure) -> list[dict]:
+              targets: Tensor, name: str, measure, *, everything: list[Tensor] | None = None) -> list[dict]:
     """Per token in `targets` ([P] int64 rows): its first-order ΔD of divergence `name` from each
     cause of ``FLIP_CAUSES`` and in ``total``, under the rule's step (keep mask `keep`, SGD at
     `lr`, the token-sum loss).
 
-    ``measure(model, tokens) -> {name: [M] D}`` is the audit's float64 measurement."""
+    ``measure(model, tokens) -> {name: [M] D}`` is the audit's float64 measurement; ``everything``:
+    the whole batch's Δθ if already taken (the rule's own SGD step), else computed here."""
     model = copy.deepcopy(model)
     context, state = group_ids(model, tokens)
-    everything = step_of(model, tokens, torch.arange(tokens.num_tokens), mask, lr, keep)
+    if everything is None:
+        everything = step_of(model, tokens, torch.arange(tokens.num_tokens), mask, lr, keep)
     out = []
     for t in targets.tolist():
         others = torch.arange(tokens.num_tokens) != t

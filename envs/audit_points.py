@@ -6,11 +6,13 @@ The paper audits mid-training batches, so the audit trains its policy before dra
 rule ``none`` and Adam under the audited mismatch, and read at every step of ``audit_at``. Audit
 seed s reads run s mod ``train_runs`` and draws its own fresh batch there, as the paper's 61
 seeds each drew a fresh rollout. Trained weights are kept in memory and, with a store folder,
-as ``policy_<r>_at_<step>.pt`` (tensors only, read back with ``weights_only=True``), so a
-resumed audit does not retrain.
+as ``policy_<r>_at_<step>.pt`` (tensors only, read back with ``weights_only=True``) beside the
+training configuration they came from, so a resumed audit does not retrain and an audit with
+another training configuration in the same folder retrains instead of reading them.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -35,6 +37,16 @@ def plain_config(cfg) -> TrainConfig:
                        mask=MaskConfig(rule="none", k=cfg.k, convention=cfg.convention),
                        mismatch=cfg.mismatch, lr=cfg.train_lr, groups_per_step=cfg.train_groups,
                        group_size=cfg.group_size)
+
+
+def training_key(cfg) -> str:
+    """Everything a trained policy depends on (the audit-only fields left out), as stored text."""
+    plain = plain_config(cfg)
+    doc = {"problem": repr(cfg.problem), "policy": cfg.policy, "hidden": cfg.hidden, "init_scale": cfg.init_scale,
+           "context_features": cfg.context_features, "warmup_steps": cfg.warmup_steps, "mismatch": cfg.mismatch,
+           "mask": repr(plain.mask), "lr": plain.lr, "optimizer": plain.optimizer,
+           "groups_per_step": plain.groups_per_step, "group_size": plain.group_size}
+    return json.dumps(doc, sort_keys=True)
 
 
 def plain_step(plain: TrainConfig, policy: nn.Module, opt, batch) -> None:
@@ -69,7 +81,9 @@ class TrainedPolicies:
         saved = self._snapshots.get((run, step))
         path = self._path(run, step)
         if saved is None and path is not None and path.exists():
-            saved = torch.load(path, weights_only=True)  # tensors only: a crafted file runs no code
+            stored = torch.load(path, weights_only=True)  # tensors only: a crafted file runs no code
+            if isinstance(stored, dict) and stored.get("training") == training_key(self.cfg):
+                saved = stored["state"]
         if saved is not None:
             self._snapshots[(run, step)] = saved
             policy = new_policy(self.cfg, self.problem, run)
@@ -94,10 +108,10 @@ class TrainedPolicies:
         saved = {k: v.detach().clone() for k, v in policy.state_dict().items()}
         self._snapshots[(run, step)] = saved
         path = self._path(run, step)
-        if path is not None and not path.exists():
+        if path is not None:  # written anew when it holds another training configuration's weights
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            torch.save(saved, tmp)
+            torch.save({"training": training_key(self.cfg), "state": saved}, tmp)
             tmp.replace(path)
 
     def _start(self, run: int):

@@ -140,9 +140,7 @@ def audit_main(args: argparse.Namespace) -> int:
     from .presets import AUDIT_PRESETS
 
     cfg = _config_or_exit(AUDIT_PRESETS, args, "audit")
-    import torch
-
-    torch.set_num_threads(1)  # small [N, n] ops: one thread is fastest on few cores
+    # torch's own thread count (the cores): the audit's float64 [10⁵, n] passes use them all
     out = args.out or Path("runs") / f"audit-{args.preset}"
     doc = audit_to_dir(cfg, out, progress=not args.quiet)
     pair = doc["pairs"][0]

@@ -6,7 +6,6 @@ so a tabular policy can represent the optimal policy and a neural one sees the s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .tasks import AutomatonTask
@@ -45,24 +44,32 @@ def _hash_powers(count: int) -> Tensor:
     return _POWERS[:count]
 
 
-def ngram_features(obs: Tensor, width: int, pad: int) -> Tensor:
-    """[B, 1 + L] int64 token-MDP observations → [B, width] float32 multi-hot context features.
+def multi_hot(index: Tensor, width: int) -> Tensor:
+    """[B, A] int64 active features → [B, width] float32 with 1 at each (a repeat counts once)."""
+    out = torch.zeros(index.shape[0], width)
+    return out.scatter_(1, index, 1.0)
+
+
+def ngram_index(obs: Tensor, width: int, pad: int) -> Tensor:
+    """[B, 1 + L] int64 token-MDP observations → [B, 3] int64 bins of the hashed context features.
 
     Three hashed features per context, each one bin of ``width``: the prompt token, the last
     written token, and the last two. Contexts that share a last token (or bigram, or prompt) share
     a feature, so one input row of the network serves many contexts, as an LLM's embeddings and
     attention features do; a one-hot of the full context would share nothing. ``pad``: the
-    padding id of empty response slots.
+    padding id of empty response slots. Two of a row's bins may coincide (a hash collision).
     """
     written = (obs[:, 1:] != pad).sum(dim=1)
     rows = torch.arange(obs.shape[0])
     last = torch.where(written > 0, obs[rows, written.clamp(min=1)], pad)
     prev = torch.where(written > 1, obs[rows, (written - 1).clamp(min=1)], pad)
     keys = (obs[:, :1], last[:, None], torch.stack([last, prev], dim=1))
-    out = torch.zeros(obs.shape[0], width)
-    for salt, key in enumerate(keys):
-        out[rows, context_hash(key, salt=101 + salt) % width] = 1.0
-    return out
+    return torch.stack([context_hash(key, salt=101 + salt) % width for salt, key in enumerate(keys)], dim=1)
+
+
+def ngram_features(obs: Tensor, width: int, pad: int) -> Tensor:
+    """[B, 1 + L] int64 → [B, width] float32 multi-hot of ``ngram_index``'s bins."""
+    return multi_hot(ngram_index(obs, width, pad), width)
 
 
 class BanditEncoder:
@@ -78,9 +85,13 @@ class BanditEncoder:
 
     prior_index = state_index
 
+    def feature_index(self, obs: Tensor) -> Tensor:
+        """[B, 1] int64 → [B, 1] the active feature (the prompt)."""
+        return obs[:, :1]
+
     def features(self, obs: Tensor) -> Tensor:
-        """[B, 1] int64 → [B, P] float32."""
-        return F.one_hot(obs[:, 0], self.num_states).float()
+        """[B, 1] int64 → [B, P] float32 one-hot(prompt)."""
+        return multi_hot(self.feature_index(obs), self.feature_dim)
 
 
 class AutomatonEncoder:
@@ -126,8 +137,12 @@ class AutomatonEncoder:
             return context_hash(obs, salt=1) % self.prior_rows
         return self.state_index(obs)
 
-    def features(self, obs: Tensor) -> Tensor:
-        """[B, 1 + L] int64 → [B, C + Q + L] float32."""
+    def feature_index(self, obs: Tensor) -> Tensor:
+        """[B, 1 + L] int64 → [B, 3] the active features: c, C + q, C + Q + t."""
         prompt, q, t = self._summary(obs)
-        return torch.cat([F.one_hot(self._class[prompt], self.num_classes), F.one_hot(q, self.task.num_states),
-                          F.one_hot(t, self.task.max_len)], dim=1).float()
+        c, big_q = self.num_classes, self.task.num_states
+        return torch.stack([self._class[prompt], c + q, c + big_q + t], dim=1)
+
+    def features(self, obs: Tensor) -> Tensor:
+        """[B, 1 + L] int64 → [B, C + Q + L] float32 [one-hot c | one-hot q | one-hot t]."""
+        return multi_hot(self.feature_index(obs), self.feature_dim)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from pdm_lab.config import one_of
 
-from .encoders import ngram_features
+from .encoders import multi_hot, ngram_index
 
 POLICY_KINDS = ("tabular", "neural")
 
@@ -26,7 +26,7 @@ POLICY_KINDS = ("tabular", "neural")
 #: (id(obs), what) → (weak reference to obs, its version, the value): the audit runs many forward
 #: passes over one large batch, and a token-MDP observation's encoding reads every slot.
 _INPUT_CACHE: dict = {}
-_INPUT_CACHE_SIZE = 8
+_INPUT_CACHE_SIZE = 32
 
 
 def cached_input(obs: Tensor, what: tuple, compute):
@@ -37,6 +37,8 @@ def cached_input(obs: Tensor, what: tuple, compute):
     if hit is not None and hit[0]() is obs and hit[1] == obs._version:
         return hit[2]
     value = compute(obs)
+    for old in [k for k, v in _INPUT_CACHE.items() if v[0]() is None]:  # freed inputs first
+        del _INPUT_CACHE[old]
     if len(_INPUT_CACHE) >= _INPUT_CACHE_SIZE:
         _INPUT_CACHE.pop(next(iter(_INPUT_CACHE)))
     _INPUT_CACHE[key] = (weakref.ref(obs), obs._version, value)
@@ -119,18 +121,40 @@ class NeuralPolicy(_Rounding, nn.Module):
         """[B, D] int64 observations → [B, n] logits (the parameters' dtype)."""
         return self._act(self.prior[_prior_rows(self.encoder, obs)] + self.trainable_logits(obs), logits=True)
 
-    def features(self, obs: Tensor) -> Tensor:
-        """[B, D] int64 → [B, F] the network's input (the parameters' dtype)."""
-        def compute(o: Tensor) -> Tensor:
-            x = self.encoder.features(o)
+    def active_features(self, obs: Tensor) -> tuple[Tensor, Tensor]:
+        """[B, D] int64 → ([B, A] int64 the active input features, [B, A] float32 their values:
+        1, or 0 for a repeat of an earlier index in the row). The input x is their multi-hot."""
+        def compute(o: Tensor) -> tuple[Tensor, Tensor]:
+            index = self.encoder.feature_index(o)
             if self.context_features:
-                x = torch.cat([x, ngram_features(o, self.context_features, self.encoder.task.vocab_size)], dim=1)
-            return x
-        return cached_input(obs, ("features", *_encoder_key(self.encoder), self.context_features), compute).to(self.w1.dtype)
+                bins = ngram_index(o, self.context_features, self.encoder.task.vocab_size)
+                index = torch.cat([index, self.encoder.feature_dim + bins], dim=1)
+            repeat = (index[:, :, None] == index[:, None, :]).tril(diagonal=-1).any(dim=2)
+            return index, (~repeat).float()
+        return cached_input(obs, ("active_features", *_encoder_key(self.encoder), self.context_features), compute)
+
+    def input_key(self, obs: Tensor) -> Tensor:
+        """[B, A] int64, rows equal exactly when the network's inputs are (repeats set to −1, sorted)."""
+        index, value = self.active_features(obs)
+        return torch.where(value > 0, index, -1).sort(dim=1).values
+
+    def features(self, obs: Tensor) -> Tensor:
+        """[B, D] int64 → [B, F] the network's input x (the parameters' dtype)."""
+        return multi_hot(self.active_features(obs)[0], self.w1.shape[0]).to(self.w1.dtype)
 
     def trainable_logits(self, obs: Tensor) -> Tensor:
-        """[B, D] int64 → [B, n] W₂ h + b₂ (plus the engine's ``output_error(h)`` in its copy)."""
-        h = self._act(torch.tanh(self._act(self.features(obs)) @ self.w1 + self.b1))
+        """[B, D] int64 → [B, n] W₂ h + b₂ (plus the engine's ``output_error(h)`` in its copy).
+
+        x is multi-hot, so W₁x is the sum of x's active rows of W₁: a few gathered rows instead of
+        a [B, F] × [F, H] product (F grows with the response length). The engine's copy rounds x
+        as the engine does, so it takes the dense product."""
+        if self.activation_round is None:
+            index, value = self.active_features(obs)
+            value = value.to(self.w1.dtype)
+            pre = self.b1 + sum(value[:, a, None] * self.w1[index[:, a]] for a in range(index.shape[1]))
+        else:
+            pre = self._act(self.features(obs)) @ self.w1 + self.b1
+        h = self._act(torch.tanh(pre))
         out = h @ self.w2 + self.b2
         return out if self.output_error is None else out + self.output_error(h)
 

@@ -93,7 +93,7 @@ SWEEP_PRESETS: dict[str, SweepConfig] = {
 
 AUDIT_PRESETS: dict[str, AuditConfig] = {
     # make run's audit: two seeds at a trained point (too few for a verdict: it says so)
-    "quick": AuditConfig(**_AUDIT_NET, seeds=2, sequences=512, audit_at=(0, 10), trajectory_seeds=1,
+    "quick": AuditConfig(**_AUDIT_NET, seeds=2, sequences=768, audit_at=(0, 10), trajectory_seeds=1,
                          extra_rules=(), n_boot=2000, flip_tokens=16),
     # the paper's statistics: 61 seeds × 1024 sequences at a trained point (step 20), the
     # trajectory over three points on 2 seeds; the paper's pair only (the float64 audit of ~10⁵

@@ -150,6 +150,22 @@ def test_resumed_audit_reads_finished_seeds(tmp_path):
     assert same(again["per_seed"], first["per_seed"]) and same(again["regime"], first["regime"])
 
 
+def test_stored_policies_are_not_read_for_another_training_configuration(tmp_path):
+    from pdm_lab.envs.audit_points import TrainedPolicies
+    from pdm_lab.envs.problems import make_problem
+
+    cfg = AuditConfig(policy="neural", seeds=1, sequences=64, audit_at=(0, 2), train_groups=1, extra_rules=())
+    problem = make_problem(cfg.problem)
+    trained = TrainedPolicies(cfg, problem, tmp_path).at(0, 2).state_dict()
+    again = TrainedPolicies(cfg, problem, tmp_path).at(0, 2).state_dict()  # read back, not retrained
+    assert all(torch.equal(trained[k], again[k]) for k in trained)
+    other = dataclasses.replace(cfg, train_lr=cfg.train_lr * 10)
+    retrained = TrainedPolicies(other, problem, tmp_path).at(0, 2).state_dict()
+    fresh = TrainedPolicies(other, problem).at(0, 2).state_dict()  # no store: what it must equal
+    assert all(torch.equal(retrained[k], fresh[k]) for k in fresh)
+    assert not all(torch.equal(retrained[k], trained[k]) for k in trained)
+
+
 # ---- audit points, verdicts that need data, flips, compact tokens, safe resume ----
 
 from pdm_lab.audit import FLIP_CAUSES, INSUFFICIENT  # noqa: E402
@@ -261,6 +277,24 @@ def test_flip_terms_add_up_and_a_table_shares_nothing_across_states():
     assert any(abs(t["rest"]) > 0 for t in neural)  # the network couples every token
 
 
+def test_flip_terms_from_the_rules_own_step_equal_a_fresh_gradient():
+    cfg = AuditConfig(problem=TINY_MDP, policy="neural", seeds=1, sequences=128, extra_rules=(), delta=0.0,
+                      mismatch="noise:1", lr=1e-4)
+    _, policy, batch, adv = audit_batch(cfg, 0)
+    mask = cfg.mask("dppo_topk_kl")
+    tokens = float64_tokens(batch, adv, mask)
+    focus = torch.nonzero(tokens.advantages.reshape(-1) != 0)[:, 0]
+    model, tok, foc = audit_mod.audit_model(policy, tokens, "shared", focus)
+    step = rule_step(model, tok, mask, cfg, foc, measure(model, tok.rows(foc)))
+    targets = foc[:6]
+    fresh = audit_flips.decompose(model, tok, mask, cfg.lr, step.keep, targets, "topk_kl", measure)
+    reused = audit_flips.decompose(model, tok, mask, cfg.lr, step.keep, targets, "topk_kl", measure,
+                                   everything=list(step.step))
+    for a, b in zip(fresh, reused):
+        for cause in (*FLIP_CAUSES, "total"):
+            assert abs(a[cause] - b[cause]) <= 1e-9 * max(abs(a["total"]), 1e-300), (cause, a, b)
+
+
 def test_flip_terms_one_token_per_state_are_all_own():
     terms, realised = _flip_terms("tabular", "distinct")
     for t in terms:
@@ -342,7 +376,7 @@ def test_quick_preset_has_twenty_disagreement_tokens_per_seed_at_a_trained_point
     doc = run_audit(cfg)
     pair = doc["pairs"][0]
     assert pair["audit_step"] == cfg.main_step > 0
-    assert pair["disagreement_mean"] >= 20, pair["disagreement_per_seed"]
+    assert min(pair["disagreement_per_seed"]) >= 20, pair["disagreement_per_seed"]
     assert pair["verdict"].startswith(INSUFFICIENT)  # two seeds: never a verdict
     assert [p["step"] for p in doc["trajectory"]] == list(cfg.audit_at)
 
@@ -355,7 +389,8 @@ def test_paper_preset_has_the_papers_power_per_seed():
     doc = run_audit(cfg)
     assert doc["outside_mean"] >= 1000 and doc["pairs"][0]["disagreement_mean"] >= 50, (
         doc["outside_mean"], doc["pairs"][0]["disagreement_mean"])
-    # The shipped preset reaches this power only above SPEC §6b's band (1.6% outside at seed 0,
-    # README): the fraction is reported beside the verdict, so it is checked as reported, not bounded.
+    # This power is reached only above SPEC §6b's band (1.6% outside at seed 0, 1.33% over 61 seeds,
+    # README): the fraction is reported beside every verdict, so it is checked as reported here.
     regime = doc["regime"]
-    assert regime["outside_fraction"] >= 0.0002 and regime["tail_ratio"] >= 30
+    assert 0.0002 <= regime["outside_fraction"] <= 0.05 and regime["tail_ratio"] >= 30, regime
+    assert regime["topk_mass_ge_099"] > 0.5, regime
