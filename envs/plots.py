@@ -38,6 +38,16 @@ def _colors(labels: list[str]) -> dict[str, tuple]:
     return {label: cmap(i % 10) for i, label in enumerate(labels)}
 
 
+def _legend_or_na(axes) -> None:
+    """The legend, or "n/a" where no panel has a line (e.g. a collapse rate on runs too short for
+    the definition: every value is n/a)."""
+    if any(ax.get_legend_handles_labels()[0] for ax in axes):
+        axes[0].legend(fontsize=8)
+    else:
+        axes[0].text(0.5, 0.5, "n/a: no finite value to plot", ha="center", va="center",
+                     transform=axes[0].transAxes)
+
+
 def learning_curves(runs: list[dict], path: Path) -> Path:
     """Mean training reward per step (± 1.96 s.e. over seeds), a panel per mismatch setting."""
     rows = [dict(run["row"], curve=run["curve"]) for run in runs]
@@ -61,11 +71,7 @@ def learning_curves(runs: list[dict], path: Path) -> Path:
         ax.set_xlabel("GRPO step")
         ax.set_ylabel("mean reward of the batch")
         ax.grid(alpha=0.3)
-    if drawn:
-        axes[0].legend(fontsize=8)
-    else:  # e.g. a collapse rate on runs too short for the definition: every value is n/a
-        axes[0].text(0.5, 0.5, "n/a: no finite value to plot", ha="center", va="center",
-                     transform=axes[0].transAxes)
+    _legend_or_na(axes)
     return _save(fig, path)
 
 
@@ -76,7 +82,6 @@ def _vs_mismatch(rows: list[dict], metric: Callable[[list[dict]], tuple[float, f
     labels = list(dict.fromkeys(config_label(r) for r in rows))
     colors = _colors(labels)
     fig, axes = _panels(len(kinds))
-    drawn = False
     for ax, kind in zip(axes, kinds):
         subset = [r for r in rows if r["mismatch_kind"] in (kind, "none")]
         for label, cfg_rows in group_rows(subset, lambda r: (config_label(r),)).items():
@@ -90,16 +95,11 @@ def _vs_mismatch(rows: list[dict], metric: Callable[[list[dict]], tuple[float, f
             xs, ys, lo, hi = zip(*points)
             ax.plot(xs, ys, "o-", color=colors[label[0]], label=label[0], lw=1.5, ms=4)
             ax.fill_between(xs, lo, hi, color=colors[label[0]], alpha=0.18)
-            drawn = True
         ax.set_title(f"mismatch kind: {kind}", fontsize=10)
         ax.set_xlabel(X_LABEL, fontsize=8)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    if drawn:
-        axes[0].legend(fontsize=8)
-    else:  # e.g. a collapse rate on runs too short for the definition: every value is n/a
-        axes[0].text(0.5, 0.5, "n/a: no finite value to plot", ha="center", va="center",
-                     transform=axes[0].transAxes)
+    _legend_or_na(axes)
     return _save(fig, path)
 
 
