@@ -58,7 +58,7 @@ from pdm_lab.masks import get_mask_rule
 from pdm_lab.masks import outside_region
 from pdm_lab.support import support_from_full
 
-from .audit_flips import decompose, group_ids, row_ids
+from .audit_flips import decompose, distinct_rows, group_ids
 from .audit_points import TrainedPolicies, plain_config, plain_step
 from .mismatch import Mismatch
 from .policies import POLICY_KINDS
@@ -337,9 +337,10 @@ def rule_steps(model: nn.Module, tokens: TokenBatch, mask: MaskConfig, cfg: Audi
     return {s: RuleStep(keep=keep, delta=d, step=step) for s, d in deltas.items()}
 
 
-def _tokens_per_state(tokens: TokenBatch, resp: Tensor) -> float:
+def tokens_per_state(tokens: TokenBatch, resp: Tensor) -> float:
+    """Response tokens per distinct observation (context) among the `resp` rows."""
     obs = tokens.obs[resp]
-    return float(obs.shape[0]) / max(1, int(row_ids(obs).max()) + 1 if obs.shape[0] else 1)
+    return float(obs.shape[0]) / max(1, distinct_rows(obs))
 
 
 def _regime_inputs(tokens: TokenBatch, d: Tensor, outside: Tensor, considered: Tensor, k: int,
@@ -349,7 +350,7 @@ def _regime_inputs(tokens: TokenBatch, d: Tensor, outside: Tensor, considered: T
     topk_mass = torch.topk(mu, min(k, mu.shape[1]), dim=1).values.exp().sum(dim=1)
     entropy = -(mu.exp() * mu).nan_to_num(0.0).sum(dim=1)  # 0·log 0 = 0
     return (d[resp], outside[resp], considered[resp], topk_mass, entropy,
-            _tokens_per_state(tokens, resp))
+            tokens_per_state(tokens, resp))
 
 
 def _table(inputs: tuple) -> dict:
@@ -380,7 +381,7 @@ def coupling(model: nn.Module, tokens: TokenBatch, focus: Tensor) -> dict:
     if hasattr(model, "input_key"):
         key = model.input_key(tokens.obs)  # active input features, −1 for none
         active = torch.unique(key[focus])
-        out["share_feature_tokens"] = int((torch.isin(key, active[active >= 0])).any(dim=1).sum())
+        out["share_feature_tokens"] = int(torch.isin(key, active[active >= 0]).any(dim=1).sum())
     else:
         out["share_feature_tokens"] = out["same_state_tokens"]
     return out

@@ -39,30 +39,40 @@ DIFFERENCE_FRACTION = 0.1
 _HASH_WEIGHTS = torch.randint(1, 2 ** 62, (4096,), generator=torch.Generator().manual_seed(20_261_202)) | 1
 
 
+#: the integer type of each float width, to read a float row's exact bits
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def row_hashes(flat: Tensor) -> Tensor:
+    """[M, F] → [M] int64 hash of each row's bits (integer arithmetic wrapping mod 2⁶⁴, so equal rows
+    hash equally whatever the summation order; every column has its own multiplier)."""
+    bits = flat.contiguous().view(_BITS[flat.element_size()]) if flat.dtype.is_floating_point else flat
+    columns = torch.arange(flat.shape[1])
+    weights = _HASH_WEIGHTS[columns % _HASH_WEIGHTS.numel()] * (1 + columns // _HASH_WEIGHTS.numel())
+    return (bits.long() * weights).sum(dim=1)
+
+
 def row_ids(rows: Tensor) -> Tensor:
     """[M, F] → [M] int64 ids in 0…G−1, equal exactly when the rows are equal (G distinct rows).
 
     ``torch.unique(dim=0)`` sorts whole rows and takes seconds on an audit batch (10⁵ rows); this
-    hashes each row's bits (integer arithmetic, wrapping mod 2⁶⁴, so equal rows hash equally
-    whatever the summation order), groups by the hash, then checks every row against its group's
-    first row and falls back to the row sort if two distinct rows ever share a hash."""
+    groups by ``row_hashes``, then checks every row against its group's first row and falls back
+    to the row sort if two distinct rows ever share a hash."""
     m = rows.shape[0]
     if m == 0:
         return torch.zeros(0, dtype=torch.int64)
     flat = rows.reshape(m, -1)
-    if flat.dtype.is_floating_point:
-        bits = flat.float().view(torch.int32).long()
-    else:
-        bits = flat.long()
-    weights = _HASH_WEIGHTS[torch.arange(flat.shape[1]) % _HASH_WEIGHTS.numel()]
-    weights = weights * (1 + torch.arange(flat.shape[1]) // _HASH_WEIGHTS.numel())
-    hashes = (bits * weights).sum(dim=1)
-    _, ids = torch.unique(hashes, return_inverse=True)
+    _, ids = torch.unique(row_hashes(flat), return_inverse=True)
     first = torch.full((int(ids.max()) + 1,), m, dtype=torch.int64).scatter_reduce(
         0, ids, torch.arange(m), reduce="amin")
     if not bool((flat == flat[first[ids]]).all()):
         return torch.unique(flat, dim=0, return_inverse=True)[1]
     return ids
+
+
+def distinct_rows(rows: Tensor) -> int:
+    """How many distinct rows [M, F] holds."""
+    return int(row_ids(rows).max()) + 1 if rows.shape[0] else 0
 
 
 def group_ids(model: nn.Module, tokens: TokenBatch) -> tuple[Tensor, Tensor]:

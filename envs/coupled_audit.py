@@ -33,8 +33,8 @@ from pdm_lab import audit as stats_lib
 from pdm_lab.runtime.cli import int_at_least
 from pdm_lab.config import to_dict
 
-from .audit import PRECISION, AuditConfig, audit_batch, audit_model, float64_tokens, measure, rule_steps
-from .audit_flips import row_ids
+from .audit import (PRECISION, AuditConfig, audit_batch, audit_model, float64_tokens, measure, rule_steps,
+                    tokens_per_state)
 from .coupled_jvp import toy_coupled_scores
 from pdm_lab.masks import outside_region
 from .update import current_stats
@@ -114,10 +114,8 @@ def coupled_audit_seed(cfg: CoupledAuditConfig, seed: int) -> dict:
     with torch.no_grad():
         stats = current_stats(copy.deepcopy(policy).to(PRECISION), tokens, full=False)
     focus = torch.nonzero(outside_region(stats.topk_kl, tokens.advantages.reshape(-1), ref_mask) & considered)[:, 0]
-    obs = tokens.obs[resp]
-    distinct = int(row_ids(obs).max()) + 1 if obs.shape[0] else 0
     record = {"seed": seed, "tokens": int(resp.sum()), "active_tokens": int(considered.sum()),
-              "outside": int(focus.numel()), "tokens_per_state": float(resp.sum()) / max(distinct, 1),
+              "outside": int(focus.numel()), "tokens_per_state": tokens_per_state(tokens, resp),
               "d_outside_before": float(stats.topk_kl[focus].sum()), "contexts": {}}
     for ctx in a.contexts:
         record["contexts"][ctx] = context_record(cfg, policy, tokens, focus, ctx)

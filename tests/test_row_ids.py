@@ -38,3 +38,13 @@ def test_row_ids_wide_rows_use_every_column():
     rows[1, 4097] = 1
     ids = row_ids(rows)
     assert ids[0] != ids[1]
+    hashes = audit_flips.row_hashes(rows)  # separated by the hash itself, not by the fallback sort
+    assert hashes[0] != hashes[1]
+
+
+def test_row_ids_reads_float64_rows_at_full_precision():
+    # two float64 rows that round to the same float32: the hash must still tell them apart
+    rows = torch.tensor([[1.0], [1.0 + 2.0 ** -40]], dtype=torch.float64)
+    assert audit_flips.row_hashes(rows)[0] != audit_flips.row_hashes(rows)[1]
+    ids = row_ids(rows)
+    assert ids[0] != ids[1]
