@@ -3,22 +3,19 @@
 Importing this package registers ``pdm_lab/TokenMDP-v0`` with Gymnasium (scalar entry point
 ``TokenMDP``, native vector entry point ``TokenMDPVectorEnv``).
 
-Modules, bottom up:
+Packages, bottom up (each imports only those above it in this list, and the core):
 
-* environments — ``tasks`` (verifiable token tasks as automata), ``token_mdp`` /
-  ``token_mdp_vector`` (the Gymnasium env and its batched twin), ``bandit`` (softmax bandit),
-  ``prior`` (Zipf-like initial logits), ``sampling`` (inverse-CDF sampling);
-* policies — ``encoders`` (observation → state index / features), ``policies`` (tabular, neural);
-* behaviour policy — ``mismatch`` (engine rounding, per-context heavy tail, precision, noise,
-  temperature, tail noise, staleness);
-* rollouts and training — ``problems`` (env + encoder + prior + batched rollout), ``rollout``
-  (batches, RNG streams, GRPO advantages), ``update`` (batch → the core's inputs and loss),
-  ``train`` (the GRPO loop);
-* experiments — ``audit`` (SPEC §6: the update mechanics; statistics in ``pdm_lab.audit``),
-  ``calibrate`` (the regime table of SPEC §6b), ``sweep`` (resumable grid),
-  ``executors`` (local processes, Ray), ``presets``, ``summary`` / ``plots`` / ``report``,
-  ``pipeline`` (sweep → table → figures → report.md), ``records`` (JSONL, atomic JSON);
-* entry points — ``cli`` (``pdm-lab audit``, ``pdm-lab sweep``), ``bench`` (``pdm-lab bench`` rows).
+* ``problems`` — tasks as automata, the Gymnasium ``token_mdp`` and its vector twin, the
+  ``bandit``, the Zipf ``prior``, observation ``encoders``, the behaviour policy ``mismatch``,
+  fast ``sampling`` and batched ``rollout`` (``problem`` builds one from a config);
+* ``policies`` — tabular and neural softmax policies (``models``);
+* ``train`` — a batch into the core's loss (``update``) and the GRPO loop (``grpo``);
+* ``audit`` — SPEC §6 on a toy: ``study``, ``points``, ``flips``, ``report``, ``coupled``;
+* ``sweep`` — the resumable grid (``grid``) and its ``executors``;
+* ``report`` — ``summary`` tables, ``collapse``, ``plots``, ``sweep_report`` (report.md);
+* ``transfer`` — ``calibrate`` (SPEC §6b) and ``compare`` (SPEC §6c);
+* top level — ``presets`` (named configurations), ``pipeline`` (sweep → report, audit → files),
+  ``commands`` (``pdm-lab audit|sweep|calibrate|transfer``), ``bench`` (``pdm-lab bench`` rows).
 """
 import gymnasium as gym
 
@@ -27,6 +24,6 @@ ENV_ID = "pdm_lab/TokenMDP-v0"
 if ENV_ID not in gym.registry:
     gym.register(
         id=ENV_ID,
-        entry_point="pdm_lab.envs.token_mdp:TokenMDP",
-        vector_entry_point="pdm_lab.envs.token_mdp_vector:TokenMDPVectorEnv",
+        entry_point="pdm_lab.envs.problems.token_mdp:TokenMDP",
+        vector_entry_point="pdm_lab.envs.problems.token_mdp_vector:TokenMDPVectorEnv",
     )

@@ -21,13 +21,13 @@ import torch
 from pdm_lab.tools.benchtools import best_of
 
 from . import ENV_ID
-from .audit import AuditConfig, run_audit
-from .mismatch import Mismatch
-from .policies import make_policy
-from .problems import ProblemConfig, make_problem
-from .rollout import RolloutRNG
-from .token_mdp_vector import TokenMDPVectorEnv
-from . import problems as problems_module
+from pdm_lab.envs.audit.study import AuditConfig, run_audit
+from pdm_lab.envs.problems.mismatch import Mismatch
+from pdm_lab.envs.policies.models import make_policy
+from pdm_lab.envs.problems.problem import ProblemConfig, make_problem
+from pdm_lab.envs.problems.rollout import RolloutRNG
+from pdm_lab.envs.problems.token_mdp_vector import TokenMDPVectorEnv
+from pdm_lab.envs.problems import problem as problems_module
 
 
 def _multinomial(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from pdm_lab.runtime.cli import int_at_least, integer
-from pdm_lab.config import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
+from pdm_lab.config import ConfigError, from_dict, to_dict
+from pdm_lab.runtime.yaml_config import apply_overrides, read_yaml
 
 OVERRIDES_HELP = "key.path=value overrides of the config's fields (YAML values: rules=[a,b] base.steps=3)"
 
@@ -79,7 +80,7 @@ def register_audit(subparsers) -> None:
         "audit", help="direction audit (SPEC §6): unsafe-keep of two rules over seeds, with CI and sign test",
         description="One optimiser step per rule from the same parameters on the same batch; over tokens "
                     "outside the region where two rules disagree, how often each rule's kept tokens grew D. "
-                    "Writes audit.json, audit.md and figures. Fields: see AuditConfig (pdm_lab.envs.audit); "
+                    "Writes audit.json, audit.md and figures. Fields: see AuditConfig (pdm_lab.envs.audit.study); "
                     "e.g. rules=[dppo_topk_kl,pdm_topk] sequences=256 problem.kind=bandit k_sweep=[] "
                     "contexts=[shared].")
     _add_config_arguments(p, AUDIT_PRESETS, "paper", "AuditConfig")
@@ -91,14 +92,14 @@ def register_audit(subparsers) -> None:
 
 def register_sweep(subparsers) -> None:
     """``pdm-lab sweep``: the resumable grid of toy runs."""
-    from .executors import EXECUTORS
+    from pdm_lab.envs.sweep.executors import EXECUTORS
     from .presets import SWEEP_PRESETS
 
     p = subparsers.add_parser(
         "sweep", help="resumable grid of GRPO runs: rules × mismatch × δ × K × seeds, with report.md",
         description="Runs every unfinished cell × seed in parallel, writes results.csv/json, figures and "
                     "report.md; re-running the same command resumes where it stopped. Fields: see "
-                    "SweepConfig (pdm_lab.envs.sweep); e.g. rules=[dppo_topk_kl,pdm_topk] "
+                    "SweepConfig (pdm_lab.envs.sweep.grid); e.g. rules=[dppo_topk_kl,pdm_topk] "
                     "mismatches=[none,noise:1,stale:4] deltas=[0.05,0.15] ks=[20] base.steps=20 "
                     "base.problem.kind=token_mdp base.policy=neural base_mismatch=stale:2.")
     _add_config_arguments(p, SWEEP_PRESETS, "quick", "SweepConfig")
@@ -115,14 +116,14 @@ def register_sweep(subparsers) -> None:
 
 def register_calibrate(subparsers) -> None:
     """``pdm-lab calibrate``: the regime table of a toy setting or of a scaling run (SPEC §6b)."""
-    from .calibrate import add_parser
+    from pdm_lab.envs.transfer.calibrate import add_parser
 
     add_parser(subparsers)
 
 
 def register_transfer(subparsers) -> None:
     """``pdm-lab transfer``: the toy audit calibrated to a scaling run vs the run's own audit (SPEC §6c)."""
-    from .transfer import add_parser
+    from pdm_lab.envs.transfer.compare import add_parser
 
     add_parser(subparsers)
 
@@ -158,7 +159,7 @@ def audit_main(args: argparse.Namespace) -> int:
 def sweep_main(args: argparse.Namespace) -> int:
     from pdm_lab.runtime.results import ResultsError
 
-    from .executors import make_executor
+    from pdm_lab.envs.sweep.executors import make_executor
     from .pipeline import sweep_to_dir
     from .presets import AUDIT_PRESETS, SWEEP_PRESETS, preset
 

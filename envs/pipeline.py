@@ -7,11 +7,11 @@ from pathlib import Path
 
 from pdm_lab.runtime.locking import DirLock
 
-from .audit import AuditConfig, run_audit
-from .plots import audit_figures, sweep_figures
-from .records import write_json_atomic
-from .report import write_report
-from .sweep import SweepConfig, load_runs, run_sweep
+from pdm_lab.envs.audit.study import AuditConfig, run_audit
+from pdm_lab.envs.report.plots import audit_figures, sweep_figures
+from pdm_lab.runtime.records import write_json_atomic
+from pdm_lab.envs.report.sweep_report import write_report
+from pdm_lab.envs.sweep.grid import SweepConfig, load_runs, run_sweep
 
 
 def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True) -> dict:
@@ -73,8 +73,8 @@ def sweep_regime(cfg: SweepConfig, out: Path, *, seeds: int = 1, sequences: int 
     policy at initialisation (cached in ``out/regime.json``)."""
     from dataclasses import replace
 
-    from .calibrate import toy_table
-    from .sweep import compose
+    from pdm_lab.envs.transfer.calibrate import toy_table
+    from pdm_lab.envs.sweep.grid import compose
 
     path = out / "regime.json"
     cached = json.loads(path.read_text()) if path.exists() else {}

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from pdm_lab.config import one_of
 
-from .audit import AuditConfig
-from .collapse import COLLAPSE_SWEEP
-from .problems import ProblemConfig, TokenMDPConfig
-from .sweep import SweepConfig
-from .train import TrainConfig
+from pdm_lab.envs.audit.study import AuditConfig
+from pdm_lab.envs.report.collapse import COLLAPSE_SWEEP
+from pdm_lab.envs.problems.problem import ProblemConfig, TokenMDPConfig
+from pdm_lab.envs.sweep.grid import SweepConfig
+from pdm_lab.envs.train.grpo import TrainConfig
 
 #: The LLM-like token MDP of the realistic regime.
 REALISTIC_PROBLEM = ProblemConfig(kind="token_mdp", token_mdp=TokenMDPConfig(

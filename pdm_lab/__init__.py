@@ -5,7 +5,8 @@ the policy loss and its metrics. ``pdm_lab.proofs``, ``pdm_lab.envs`` and ``pdm_
 all call these functions.
 """
 from .aggregation import DPInfo
-from .config import ConfigError, MaskConfig
+from .config import ConfigError
+from pdm_lab.mask_config import MaskConfig
 from .diagnose import diagnose
 from .direction import DDOT_ESTIMATORS, register_ddot_estimator
 from .errors import PDMInputError

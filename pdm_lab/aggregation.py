@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .config import AGGREGATIONS
+from pdm_lab.mask_config import AGGREGATIONS
 from .errors import PDMInputError, check_same, check_tensor
 
 

@@ -323,7 +323,7 @@ def seeds_for_power(diffs, *, effect: float = PAPER_EFFECT, power: float = 0.8, 
     return {**out, "sd": sd, "seeds_needed": math.ceil((z * sd / effect) ** 2)}
 
 
-#: The causes a kept token's first-order ΔD splits into (``envs/audit_flips.py``).
+#: The causes a kept token's first-order ΔD splits into (``envs/audit/flips.py``).
 FLIP_CAUSES = ("own", "context", "state", "rest")
 
 

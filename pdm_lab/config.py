@@ -1,13 +1,9 @@
-"""Typed, frozen configuration dataclasses and the one YAML reader (safe loading only).
+"""Typed, frozen configuration dataclasses: the field checks every config uses.
 
-An unknown key is an error naming the key, where it was found, and the nearest valid key. The
-``MaskConfig`` here is the ``mask:`` section of every config, toy sweep and full run alike.
-
-One numeric grammar serves YAML files, ``key.path=value`` overrides and numeric command-line
-options (``ConfigLoader``, ``parse_value``): YAML 1.2's numbers, so ``1e-5``, ``1E5`` and
-``-2.5e+3`` are numbers (YAML 1.1, PyYAML's default, reads them as strings), ``010`` is ten,
-``.nan``/``.inf`` parse and are then refused by every field that must be finite. A duplicate key
-and an alias (``*name``, which can expand a few lines into gigabytes) are errors at load time.
+``config_dataclass`` makes a frozen dataclass whose ``Annotated`` fields are range-checked;
+``from_dict`` builds one from a mapping and refuses an unknown key, naming the key, where it was
+found and the nearest valid key; ``to_dict`` is its inverse. The YAML grammar that reads configs
+lives in ``pdm_lab.runtime.yaml_config``; the core's ``MaskConfig`` in ``pdm_lab.mask_config``.
 """
 from __future__ import annotations
 
@@ -20,16 +16,10 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-import yaml
-
-from .direction import DDOT_ESTIMATORS
-from .masks import MASK_RULES, MaskRule
-from .support import CONVENTIONS
 from .errors import UserInputError
 
 T = TypeVar("T")
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 class ConfigError(UserInputError, ValueError):
@@ -199,87 +189,6 @@ def _check_value(where: str, tp: Any, value: Any, ranges: tuple[Range, ...]) -> 
             raise ConfigError(f"{_at(where)}{why}, got {value!r}")
 
 
-@config_dataclass("mask")
-class MaskConfig:
-    """The trust-region mask and the policy loss (SPEC §4–5). Defaults follow the paper (§7)."""
-
-    rule: str = "pdm_uniform"
-    """Mask rule from the registry (``pdm_lab.masks.MASK_RULES``)."""
-    delta: Annotated[float, non_negative] = 0.15
-    """Trust-region threshold δ on the divergence (paper: 0.15, also 0.05)."""
-    delta_neg: Annotated[float, non_negative] | None = None
-    """Separate δ for Â < 0 (DPPO's code allows it); None: same as ``delta``."""
-    k: Annotated[int, at_least(1)] = 20
-    """K, how many of μ's top tokens the rollout exposes (paper: 20)."""
-    convention: str = "union"
-    """Support convention: ``union`` (paper, TopK ∪ {k}) or ``kslot`` (DPPO's public code)."""
-    estimator: str | None = None
-    """Ḋ estimator of the direction metrics; None: the rule's own (``MaskRule.estimator``), or
-    ``topk`` (the exact derivative of the thresholded D) for rules without one."""
-    eps_low: Annotated[float, non_negative] = 0.2
-    """ppo_clip lower ε (GRPO clip-higher: 0.2)."""
-    eps_high: Annotated[float, non_negative] = 0.28
-    """ppo_clip upper ε (GRPO clip-higher: 0.28)."""
-    icepop_low: Annotated[float, non_negative] = 0.5
-    """icepop α: keep only r ≥ α."""
-    icepop_high: Annotated[float, non_negative] = 2.0
-    """icepop β: keep only r ≤ β."""
-    clip_ratio_c: Annotated[float, positive] | None = None
-    """TIS-style cap c on the ratio factor, sg(min(r, c)); None: no cap."""
-    aggregation: str = "token-mean"
-    """Loss aggregation (DAPO's token-mean by default)."""
-    horizon: Annotated[int, at_least(1)] | None = None
-    """Fixed horizon for ``seq-mean-token-sum-norm``; None: the padded response length."""
-    # SPEC §4b: the rules frameworks ship (pdm_lab/framework_rules.py)
-    dual_clip_c: Annotated[float, greater_than(1.0)] = 3.0
-    """``ppo_clip_dual``: also drop Â<0 ∧ r > c (verl's dual-clip default: 3)."""
-    seq_agg: str = "mean"
-    """``seq_*`` rules: aggregate of the per-token statistic over a response (mean, max, sum)."""
-    band_low: float | None = -0.02
-    """``seq_*``/``token_k*`` rules: drop below this (None: no lower bound). ±0.02 suits all four
-    statistics' scales (k1: geometric-mean ratio within e^±0.02; k2, k3, D are ≥ 0)."""
-    band_high: float | None = 0.02
-    """``seq_*``/``token_k*`` rules: drop above this (None: no upper bound)."""
-    veto_floor: Annotated[float, positive] | None = None
-    """Sequence rules: drop a response if any token has r below this (verl's veto; None: off)."""
-    opsm_delta: Annotated[float, non_negative] = 1e-4
-    """``opsm``: drop an Â<0 response whose mean log μ_k − log π_k exceeds this (slime: 1e-4)."""
-
-    def __post_init__(self) -> None:
-        one_of("mask.rule", self.rule, MASK_RULES)
-        one_of("mask.convention", self.convention, CONVENTIONS)
-        if self.estimator is not None:
-            one_of("mask.estimator", self.estimator, DDOT_ESTIMATORS)
-        one_of("mask.aggregation", self.aggregation, AGGREGATIONS)
-        if self.icepop_high < self.icepop_low:
-            raise ConfigError(f"mask.icepop_high ({self.icepop_high}) < icepop_low ({self.icepop_low})")
-        _check_framework_fields(self)
-
-    @property
-    def delta_for_negative(self) -> float:
-        return self.delta if self.delta_neg is None else self.delta_neg
-
-    @property
-    def rule_record(self) -> MaskRule:
-        """The registry's record of ``rule`` (its divergence, estimator, what it reads)."""
-        return MASK_RULES[self.rule]
-
-    @property
-    def direction_estimator(self) -> str:
-        """The Ḋ estimator the direction metrics use: ``estimator``, else the rule's, else ``topk``."""
-        return self.estimator or self.rule_record.estimator or "topk"
-
-
-def _check_framework_fields(cfg: MaskConfig) -> None:
-    from .framework_rules import BAND_RULES, SEQ_AGGREGATIONS
-
-    one_of("mask.seq_agg", cfg.seq_agg, SEQ_AGGREGATIONS)
-    if cfg.band_low is not None and cfg.band_high is not None and cfg.band_low > cfg.band_high:
-        raise ConfigError(f"mask.band_low ({cfg.band_low}) > band_high ({cfg.band_high})")
-    if cfg.rule in BAND_RULES and cfg.band_low is None and cfg.band_high is None:
-        raise ConfigError(f"mask.rule {cfg.rule!r} rejects outside [band_low, band_high]: set at least one")
-
-
 def one_of(where: str, value: str, valid: typing.Iterable[str]) -> None:
     valid = sorted(valid)
     if value not in valid:
@@ -367,132 +276,6 @@ def from_dict(cls: type[T], mapping: Any, where: str = "") -> T:
         raise ConfigError(f"{where}: {err}" if where else str(err)) from None
 
 
-def load_yaml(cls: type[T], path: str | Path) -> T:
-    """Load `cls` from a YAML file (``read_yaml``)."""
-    return from_dict(cls, read_yaml(path))
-
-
-# ---- the one YAML grammar ------------------------------------------------------------------
-
-_FLOAT_TAG, _INT_TAG, _BOOL_TAG, _TIMESTAMP_TAG = (f"tag:yaml.org,2002:{t}" for t in ("float", "int", "bool",
-                                                                                     "timestamp"))
-#: YAML 1.2 core-schema floats: a dot or an exponent (its sign optional), or .inf / .nan.
-_FLOAT_RE = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                              |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
-                              |[0-9][0-9_]*[eE][-+]?[0-9]+
-                              |\.(?:inf|Inf|INF))
-                           |\.(?:nan|NaN|NAN))$""", re.X)
-#: YAML 1.2 core-schema integers (decimal, 0x, 0o; ``_`` between digits as in Python): no
-#: YAML 1.1 octal (``010`` = 8) or base 60 (``1:30`` = 90).
-_INT_RE = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+)$")
-#: YAML 1.2 booleans: no yes/no/on/off.
-_BOOL_RE = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
-#: How deep a config may nest (the composer recurses; a config needs a handful of levels).
-MAX_YAML_DEPTH = 64
-
-
-class ConfigLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` with YAML 1.2's numbers and booleans (and no implicit dates: a
-    timestamp stays a string), no duplicate keys, no aliases, bounded nesting. Errors are
-    ``ConfigError`` naming the line (``parse_yaml`` adds the source)."""
-
-    yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in resolvers if tag not in (_FLOAT_TAG, _INT_TAG, _BOOL_TAG, _TIMESTAMP_TAG)]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-
-    def __init__(self, stream: Any) -> None:
-        super().__init__(stream)
-        self._depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise ConfigError(f"line {event.start_mark.line + 1}: alias *{event.anchor}: YAML aliases are "
-                              "not allowed in a config (a few lines of them expand to gigabytes); write "
-                              "the value out")
-        self._depth += 1
-        try:
-            if self._depth > MAX_YAML_DEPTH:
-                mark = self.peek_event().start_mark
-                raise ConfigError(f"line {mark.line + 1}: nested deeper than {MAX_YAML_DEPTH} levels")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                line = key_node.start_mark.line + 1
-                if isinstance(key, typing.Hashable) and key in seen:
-                    raise ConfigError(f"line {line}: duplicate key {key!r} (first at line {seen[key]}); "
-                                      "YAML would keep only the last value")
-                if isinstance(key, typing.Hashable):
-                    seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-    def construct_yaml_int(self, node: Any) -> int:
-        text = self.construct_scalar(node).replace("_", "")
-        sign = -1 if text.startswith("-") else 1
-        digits = text.lstrip("+-")
-        base = 16 if digits.startswith("0x") else 8 if digits.startswith("0o") else 10
-        return sign * int(digits[2:] if base != 10 else digits, base)
-
-
-ConfigLoader.add_implicit_resolver(_BOOL_TAG, _BOOL_RE, list("tTfF"))
-ConfigLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
-ConfigLoader.add_implicit_resolver(_INT_TAG, _INT_RE, list("-+0123456789"))
-ConfigLoader.add_constructor(_INT_TAG, ConfigLoader.construct_yaml_int)
-
-
-class ConfigDumper(yaml.SafeDumper):
-    """``yaml.SafeDumper`` that quotes by ``ConfigLoader``'s grammar (the string ``"1e-5"`` stays a
-    string when read back) and never writes an alias (which ``ConfigLoader`` refuses)."""
-
-    yaml_implicit_resolvers = ConfigLoader.yaml_implicit_resolvers
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-def parse_yaml(text: str, source: str = "<string>") -> Any:
-    """One YAML document by ``ConfigLoader``'s grammar; errors are ``ConfigError`` naming `source`."""
-    loader = ConfigLoader(text)
-    loader.name = source  # marks (and so YAML's own messages) name the source
-    try:
-        return loader.get_single_data()
-    except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None
-    except yaml.YAMLError as err:
-        flat = " ".join(part.strip() for part in str(err).splitlines() if part.strip())
-        raise ConfigError(f"{source}: {flat}") from err
-    finally:
-        loader.dispose()
-
-
-def read_yaml(path: str | Path) -> Any:
-    """A YAML file by ``ConfigLoader``'s grammar; every error names the file (and the line)."""
-    raw = Path(path).read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
-    return parse_yaml(text, source=str(path))
-
-
-def dump_yaml(data: Any) -> str:
-    """``data`` as YAML that ``read_yaml`` reads back equal (key order kept)."""
-    return yaml.dump(data, Dumper=ConfigDumper, sort_keys=False, allow_unicode=True)
-
-
-def parse_value(text: str, source: str = "value") -> Any:
-    """A command-line value (an override's right-hand side, a numeric option) by the YAML grammar."""
-    return parse_yaml(text, source=source)
-
-
 def to_dict(instance: Any) -> dict:
     """A plain dict (tuples become lists) suitable for ``yaml.safe_dump`` or JSON."""
     def plain(value: Any) -> Any:
@@ -502,27 +285,3 @@ def to_dict(instance: Any) -> dict:
             return {k: plain(v) for k, v in value.items()}
         return value
     return plain(dataclasses.asdict(instance))
-
-
-def apply_overrides(mapping: dict, overrides: typing.Iterable[str]) -> dict:
-    """``a.b=value`` strings onto a nested dict; values are YAML (``parse_value``: ``1e-5`` is a
-    number, ``[a, b]`` a list)."""
-    out = dict(mapping)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key.path=value")
-        path, raw = item.split("=", 1)
-        keys = path.split(".")
-        if not all(k.strip() for k in keys):
-            raise ConfigError(f"override {item!r}: {path!r} is not a key.path (empty key)")
-        node = out
-        for depth, key in enumerate(keys[:-1]):
-            child = node.get(key)
-            if child is not None and not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(keys[:depth + 1])} is a value "
-                                  f"({child!r}), not a section")
-            child = dict(child) if isinstance(child, dict) else {}
-            node[key] = child
-            node = child
-        node[keys[-1]] = parse_value(raw, source=f"override {item!r}")
-    return out

@@ -16,7 +16,7 @@ backward of D_O; the stage owns the model, so it supplies u and g through ``Coup
   (SGD: identity; Adam: the optimiser's current diagonal 1/(√v̂ + ε), identity before its first
   step). The direction is opaque to the core (a list of tensors, DTensor shards, …).
 * ``directional_logp(u)`` → g [N]: the directional derivative of every token's log π_t(k_t) along
-  u, by forward-mode JVP (toys: ``envs/coupled_jvp.py``) or a central difference of two forward
+  u, by forward-mode JVP (toys: ``envs/train/coupled_jvp.py``) or a central difference of two forward
   passes at θ ± εu (any model, FSDP included: ``scaling/coupled_fd.py``).
 
 ``coupled_scores`` runs both and returns c; the stage passes c to ``pdm_policy_loss(coupled=c)``,

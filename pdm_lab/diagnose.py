@@ -10,7 +10,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from .config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from .errors import check_logp, check_same, check_tensor
 from .masks import compute_mask, outside_region
 from .metrics import direction_disagreement, sign_certified

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .aggregation import DPInfo, aggregate
 from .fast.compiled import compile_default, maybe_compiled, one_thread
-from .config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from .errors import PDMInputError, check_same, check_tensor
 from .loss_checks import check_loss_inputs
 from .masks import compute_mask, get_mask_rule, outside_region

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from .errors import PDMInputError
 from .masks import get_mask_rule, mask_icepop, mask_none, mask_ppo_clip
 

@@ -255,7 +255,7 @@ def pdm_lab_divergence(divergence: str) -> Callable[..., Tensor]:
 
 def pdm_lab_mask(rule: str) -> Callable[..., Tensor]:
     """pdm_lab's `rule` as ``fn(mu_logp, pi_logp, sampled, advantages, k, delta, convention)``."""
-    from .config import MaskConfig
+    from pdm_lab.mask_config import MaskConfig
     from .masks import compute_mask
     from .policy_side import policy_on_support
     from .stats import token_stats

@@ -16,7 +16,7 @@ import torch
 from mpmath import mp
 from torch.func import jvp
 
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.coupled import coupled_scores, differentiable_topk_kl
 from pdm_lab.masks import compute_mask
 from pdm_lab.policy_side import policy_on_support

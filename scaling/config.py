@@ -1,6 +1,6 @@
 """The full-run configuration: typed, frozen sections loaded with ``pdm_lab.config``.
 
-One schema for every run, tiny CPU or 30B: the ``mask:`` section is ``pdm_lab.config.MaskConfig``,
+One schema for every run, tiny CPU or 30B: the ``mask:`` section is ``pdm_lab.mask_config.MaskConfig``,
 the same type the toy sweeps use, so a promoted toy configuration drops in unchanged. Unknown keys
 are errors naming the nearest valid key (``pdm_lab.config.from_dict``). Defaults follow the paper's
 setup (SPEC §7) where it states one; the tiny config overrides what a CPU can afford.
@@ -13,8 +13,9 @@ from typing import Annotated, Any
 
 # the ``audit:`` section (SPEC §6c) is the core's, shared with the TRL trainer's audit
 from pdm_lab.audit_live import LiveAuditConfig as AuditConfig
-from pdm_lab.config import (ConfigError, MaskConfig, apply_overrides, at_least, config_dataclass, dump_yaml,
-                            from_dict, in_range, non_negative, one_of, positive, read_yaml, to_dict)
+from pdm_lab.config import ConfigError, at_least, config_dataclass, from_dict, in_range, non_negative, one_of, positive, to_dict
+from pdm_lab.mask_config import MaskConfig
+from pdm_lab.runtime.yaml_config import apply_overrides, dump_yaml, read_yaml
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 TRAIN_DTYPES = ("fp32", "bf16")
@@ -403,7 +404,7 @@ class TrainConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Load a TrainConfig from YAML plus ``key.path=value`` overrides (``pdm_lab.config.read_yaml``:
+    """Load a TrainConfig from YAML plus ``key.path=value`` overrides (``pdm_lab.runtime.yaml_config.read_yaml``:
     safe loading, YAML 1.2 numbers, no duplicate keys or aliases).
 
     ``plugins`` listed in the file or the overrides are imported first, so a plugin may register

@@ -30,7 +30,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from pdm_lab.config import MaskConfig, from_dict
+from pdm_lab.config import from_dict
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.runtime.evidence import CRITERION, Separation, separation, shortfalls
 from pdm_lab.runtime.outputs import check_not_input, check_overwritable
 from pdm_lab.runtime.results import (COLUMNS, RESULTS_CSV, RESULTS_JSON, ResultsError, SweepRow, cell_path,

@@ -199,7 +199,7 @@ def _files(tmp: Path) -> None:
 RUNNER = r"""
 import json, os, signal, sys, time, traceback
 import pdm_lab.runtime.cli as cli
-import pdm_lab.envs.calibrate, pdm_lab.envs.commands, pdm_lab.proofs.commands  # noqa: F401
+import pdm_lab.envs.transfer.calibrate, pdm_lab.envs.commands, pdm_lab.proofs.commands  # noqa: F401
 import pdm_lab.scaling.commands, pdm_lab.scaling.dryrun, pdm_lab.scaling.launch  # noqa: F401
 import pdm_lab.tools.bench, pdm_lab.tools.demo  # noqa: F401
 from transformers import AutoTokenizer  # noqa: F401  (the paper-config cases read a tokenizer)

@@ -115,7 +115,7 @@ def test_regime_table_quantiles_fractions_and_tail_ratio():
 
 def test_mean_ci_lives_in_the_core_and_summary_reuses_it():
     from pdm_lab.audit import mean_ci
-    from pdm_lab.envs import summary
+    from pdm_lab.envs.report import summary
 
     assert summary.mean_ci is mean_ci
     mean, lo, hi = mean_ci([1.0, 2.0, 3.0, float("nan")], n_boot=500)

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from pdm_lab.config import (ConfigError, MaskConfig, apply_overrides, at_least, check_option, config_dataclass,
-                            dump_yaml, from_dict, load_yaml, non_empty, non_negative, parse_yaml, read_yaml,
-                            to_dict)
+from pdm_lab.config import ConfigError, at_least, check_option, config_dataclass, from_dict, non_empty, non_negative, to_dict
+from pdm_lab.mask_config import MaskConfig
+from pdm_lab.runtime.yaml_config import apply_overrides, dump_yaml, load_yaml, parse_yaml, read_yaml
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,15 +5,15 @@ import copy
 import pytest
 import torch
 
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.coupled import CoupledDirection, coupled_contribution, coupled_scores, differentiable_topk_kl
-from pdm_lab.envs.bandit import BanditConfig
-from pdm_lab.envs.coupled_jvp import JVPDirection, preconditioner, toy_coupled_scores
-from pdm_lab.envs.mismatch import Mismatch
-from pdm_lab.envs.policies import make_policy
-from pdm_lab.envs.problems import ProblemConfig, make_problem
-from pdm_lab.envs.rollout import RolloutRNG
-from pdm_lab.envs.update import current_stats, masked_loss, token_batch
+from pdm_lab.envs.problems.bandit import BanditConfig
+from pdm_lab.envs.train.coupled_jvp import JVPDirection, preconditioner, toy_coupled_scores
+from pdm_lab.envs.problems.mismatch import Mismatch
+from pdm_lab.envs.policies.models import make_policy
+from pdm_lab.envs.problems.problem import ProblemConfig, make_problem
+from pdm_lab.envs.problems.rollout import RolloutRNG
+from pdm_lab.envs.train.update import current_stats, masked_loss, token_batch
 from pdm_lab.errors import PDMInputError
 from pdm_lab.masks import get_mask_rule
 from pdm_lab.policy_side import policy_on_support

@@ -15,7 +15,8 @@ import typing
 
 import pytest
 
-from pdm_lab.config import ConfigError, MaskConfig, check_fields
+from pdm_lab.config import ConfigError, check_fields
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.runtime.lifetime import alive
 from pdm_lab.runtime.locking import DirLock, LockHeldError
 
@@ -24,12 +25,12 @@ from pdm_lab.runtime.locking import DirLock, LockHeldError
 
 def _config_instances() -> list:
     """A default instance of every config dataclass of every stage."""
-    from pdm_lab.envs.audit import AuditConfig
-    from pdm_lab.envs.bandit import BanditConfig
-    from pdm_lab.envs.mismatch import MismatchSource
-    from pdm_lab.envs.problems import TokenMDPConfig
-    from pdm_lab.envs.sweep import SweepConfig
-    from pdm_lab.envs.train import TrainConfig as ToyTrainConfig
+    from pdm_lab.envs.audit.study import AuditConfig
+    from pdm_lab.envs.problems.bandit import BanditConfig
+    from pdm_lab.envs.problems.mismatch import MismatchSource
+    from pdm_lab.envs.problems.problem import TokenMDPConfig
+    from pdm_lab.envs.sweep.grid import SweepConfig
+    from pdm_lab.envs.train.grpo import TrainConfig as ToyTrainConfig
     from pdm_lab.scaling import config as sc
 
     syn = sc.SyntheticTaskConfig()
@@ -134,7 +135,7 @@ def test_lock_is_exclusive_names_the_holder_and_dies_with_it(tmp_path):
 
 
 def test_sweep_refuses_an_out_directory_in_use(tmp_path):
-    from pdm_lab.envs.sweep import SweepConfig, run_sweep
+    from pdm_lab.envs.sweep.grid import SweepConfig, run_sweep
 
     proc = _holder(tmp_path / "out")
     try:
@@ -183,9 +184,9 @@ def test_worker_dies_when_its_launcher_is_sigkilled(mode):
 # ---------------------------------------------------------------------------- sweep records
 
 def test_corrupt_seed_file_is_named_moved_aside_and_recomputed(tmp_path, capsys):
-    from pdm_lab.envs.problems import ProblemConfig
-    from pdm_lab.envs.sweep import SweepConfig, cell_id, run_path, run_sweep
-    from pdm_lab.envs.train import TrainConfig
+    from pdm_lab.envs.problems.problem import ProblemConfig
+    from pdm_lab.envs.sweep.grid import SweepConfig, cell_id, run_path, run_sweep
+    from pdm_lab.envs.train.grpo import TrainConfig
 
     cfg = SweepConfig(base=TrainConfig(problem=ProblemConfig(kind="bandit"), steps=2, groups_per_step=4,
                                        group_size=4), rules=("pdm_uniform",), mismatches=("none",), seeds=2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.metrics import (MISMATCH_KEYS, all_reduce_metrics, as_mismatch, finalize, finalize_floats,
                              merge_metrics, metric, step_metric_sums)
 from pdm_lab.policy_side import policy_on_support

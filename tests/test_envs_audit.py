@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pdm_lab import masks
-from pdm_lab.envs import audit as audit_mod
-from pdm_lab.envs.audit import AuditConfig, audit_seed, run_audit
-from pdm_lab.envs.problems import ProblemConfig
+from pdm_lab.envs.audit import study as audit_mod
+from pdm_lab.envs.audit.study import AuditConfig, audit_seed, run_audit
+from pdm_lab.envs.problems.problem import ProblemConfig
 
 # SPEC §6's own test: tabular softmax, SGD, a small step, one token per state, float64.
 FIRST_ORDER = AuditConfig(policy="tabular", optimizer="sgd", lr=1e-3, contexts=("distinct",),
@@ -151,8 +151,8 @@ def test_resumed_audit_reads_finished_seeds(tmp_path):
 
 
 def test_stored_policies_are_not_read_for_another_training_configuration(tmp_path):
-    from pdm_lab.envs.audit_points import TrainedPolicies
-    from pdm_lab.envs.problems import make_problem
+    from pdm_lab.envs.audit.points import TrainedPolicies
+    from pdm_lab.envs.problems.problem import make_problem
 
     cfg = AuditConfig(policy="neural", seeds=1, sequences=64, audit_at=(0, 2), train_groups=1, extra_rules=())
     problem = make_problem(cfg.problem)
@@ -169,9 +169,9 @@ def test_stored_policies_are_not_read_for_another_training_configuration(tmp_pat
 # ---- audit points, verdicts that need data, flips, compact tokens, safe resume ----
 
 from pdm_lab.audit import FLIP_CAUSES, INSUFFICIENT  # noqa: E402
-from pdm_lab.envs import audit_flips  # noqa: E402
-from pdm_lab.envs.audit import audit_batch, float64_tokens, measure, rule_step  # noqa: E402
-from pdm_lab.envs.problems import TokenMDPConfig  # noqa: E402
+from pdm_lab.envs.audit import flips as audit_flips  # noqa: E402
+from pdm_lab.envs.audit.study import audit_batch, float64_tokens, measure, rule_step  # noqa: E402
+from pdm_lab.envs.problems.problem import TokenMDPConfig  # noqa: E402
 
 TINY_MDP = ProblemConfig(kind="token_mdp", token_mdp=TokenMDPConfig(vocab_size=32, max_len=6))
 
@@ -333,9 +333,9 @@ def test_crafted_seed_file_is_refused_and_runs_no_code(tmp_path):
 
 def test_outlier_mismatch_is_a_function_of_the_activations():
     from pdm_lab.config import ConfigError
-    from pdm_lab.envs.mismatch import Mismatch
-    from pdm_lab.envs.policies import make_policy
-    from pdm_lab.envs.problems import make_problem
+    from pdm_lab.envs.problems.mismatch import Mismatch
+    from pdm_lab.envs.policies.models import make_policy
+    from pdm_lab.envs.problems.problem import make_problem
 
     problem = make_problem(TINY_MDP)
     policy = make_policy("neural", problem.encoder, problem.prior, context_features=8)
@@ -352,7 +352,7 @@ def test_outlier_mismatch_is_a_function_of_the_activations():
 
 
 def test_context_hash_in_one_pass_equals_the_column_loop():
-    from pdm_lab.envs.encoders import context_hash
+    from pdm_lab.envs.problems.encoders import context_hash
 
     def loop(obs, salt):
         h = torch.full((obs.shape[0],), salt, dtype=torch.int64)

@@ -6,16 +6,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdm_lab.envs.bandit import BanditConfig, SoftmaxBandit
-from pdm_lab.envs.encoders import AutomatonEncoder
-from pdm_lab.envs.mismatch import Mismatch
-from pdm_lab.envs.policies import make_policy
-from pdm_lab.envs.prior import zipf_logits, zipf_tail_mass
-from pdm_lab.envs.problems import ProblemConfig, make_problem
+from pdm_lab.envs.problems.bandit import BanditConfig, SoftmaxBandit
+from pdm_lab.envs.problems.encoders import AutomatonEncoder
+from pdm_lab.envs.problems.mismatch import Mismatch
+from pdm_lab.envs.policies.models import make_policy
+from pdm_lab.envs.problems.prior import zipf_logits, zipf_tail_mass
+from pdm_lab.envs.problems.problem import ProblemConfig, make_problem
 from pdm_lab.advantages import group_advantages
-from pdm_lab.envs.rollout import RolloutRNG
-from pdm_lab.envs.sampling import UniformPool, sample_from_cdf, sample_from_logits
-from pdm_lab.envs.tasks import make_task
+from pdm_lab.envs.problems.rollout import RolloutRNG
+from pdm_lab.envs.problems.sampling import UniformPool, sample_from_cdf, sample_from_logits
+from pdm_lab.envs.problems.tasks import make_task
 
 
 def test_inverse_cdf_sampler_matches_the_distribution():

@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdm_lab.envs.calibrate import run_table, search_strength, toy_table, with_strength
-from pdm_lab.envs.mismatch import Mismatch
+from pdm_lab.envs.transfer.calibrate import run_table, search_strength, toy_table, with_strength
+from pdm_lab.envs.problems.mismatch import Mismatch
 from pdm_lab.envs.presets import AUDIT_PRESETS, REALISTIC_MISMATCH
 
 REALISTIC = replace(AUDIT_PRESETS["quick"], mismatch=REALISTIC_MISMATCH, sequences=512)
@@ -27,8 +27,8 @@ def test_realistic_preset_is_llm_like(realistic):
 
 
 def test_mismatch_is_a_deterministic_function_of_the_context():
-    from pdm_lab.envs.encoders import context_hash
-    from pdm_lab.envs.mismatch import lognormal_error
+    from pdm_lab.envs.problems.encoders import context_hash
+    from pdm_lab.envs.problems.mismatch import lognormal_error
 
     obs = torch.tensor([[3, 7, 9], [3, 7, 9], [3, 7, 8]])
     h = context_hash(obs)

@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from pdm_lab.config import MaskConfig
-from pdm_lab.envs.collapse import COLLAPSE_RULES, COLLAPSE_SWEEP, COLLAPSE_TRAIN, collapse_section
+from pdm_lab.mask_config import MaskConfig
+from pdm_lab.envs.report.collapse import COLLAPSE_RULES, COLLAPSE_SWEEP, COLLAPSE_TRAIN, collapse_section
 from pdm_lab.envs.presets import SWEEP_PRESETS
-from pdm_lab.envs.train import is_collapsed, train
+from pdm_lab.envs.train.grpo import is_collapsed, train
 
 #: the preset's regime at half the steps (the collapse happens within the first ten)
 SMALL = replace(COLLAPSE_TRAIN, steps=20, track_unsafe_keep=False, mask=MaskConfig(rule="none"))
@@ -80,7 +80,7 @@ def test_the_minimum_run_length_is_where_batch_noise_stops_passing_for_collapse(
     """At 10 steps (``make run``'s sweep) batch noise alone is flagged in about a fifth of runs:
     the flag means nothing there, so the report shows n/a. At COLLAPSE_MIN_STEPS it is rare; a
     minimum set at 10 (the planted bug) would fail the second check."""
-    from pdm_lab.envs.collapse import COLLAPSE_MIN_STEPS
+    from pdm_lab.envs.report.collapse import COLLAPSE_MIN_STEPS
 
     assert _noise_collapse_rate(10) > 0.12
     assert _noise_collapse_rate(COLLAPSE_MIN_STEPS) < 0.05

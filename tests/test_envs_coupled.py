@@ -1,15 +1,15 @@
-"""The aggregate ΔD_O study of ``pdm_coupled`` (envs/coupled_audit.py) and the toy trainer's hook."""
+"""The aggregate ΔD_O study of ``pdm_coupled`` (envs/audit/coupled.py) and the toy trainer's hook."""
 import json
 import math
 
 import pytest
 
-from pdm_lab.config import MaskConfig
-from pdm_lab.envs.audit import AuditConfig
-from pdm_lab.envs.bandit import BanditConfig
-from pdm_lab.envs.coupled_audit import CoupledAuditConfig, run_coupled_audit
-from pdm_lab.envs.problems import ProblemConfig
-from pdm_lab.envs.train import TrainConfig, train
+from pdm_lab.mask_config import MaskConfig
+from pdm_lab.envs.audit.study import AuditConfig
+from pdm_lab.envs.problems.bandit import BanditConfig
+from pdm_lab.envs.audit.coupled import CoupledAuditConfig, run_coupled_audit
+from pdm_lab.envs.problems.problem import ProblemConfig
+from pdm_lab.envs.train.grpo import TrainConfig, train
 
 BANDIT = ProblemConfig(bandit=BanditConfig(vocab_size=200, num_prompts=32))
 
@@ -86,8 +86,8 @@ def test_scaled_steps_equal_separate_steps(optimizer):
 
     import torch
 
-    from pdm_lab.envs.audit import audit_batch, float64_tokens, measure, rule_step, rule_steps
-    from pdm_lab.envs.update import current_stats
+    from pdm_lab.envs.audit.study import audit_batch, float64_tokens, measure, rule_step, rule_steps
+    from pdm_lab.envs.train.update import current_stats
     from pdm_lab.masks import outside_region
 
     audit = dataclasses.replace(_cfg("neural", seeds=1).audit, optimizer=optimizer)

@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from pdm_lab.config import MaskConfig
-from pdm_lab.envs.mismatch import DTYPES, TAIL_NOISE_TOP, Mismatch, MismatchSource, round_through
-from pdm_lab.envs.policies import make_policy
-from pdm_lab.envs.prior import zipf_logits
-from pdm_lab.envs.problems import ProblemConfig, make_problem
-from pdm_lab.envs.train import TrainConfig, train
+from pdm_lab.mask_config import MaskConfig
+from pdm_lab.envs.problems.mismatch import DTYPES, TAIL_NOISE_TOP, Mismatch, MismatchSource, round_through
+from pdm_lab.envs.policies.models import make_policy
+from pdm_lab.envs.problems.prior import zipf_logits
+from pdm_lab.envs.problems.problem import ProblemConfig, make_problem
+from pdm_lab.envs.train.grpo import TrainConfig, train
 
 
 def _logits():
@@ -123,9 +123,9 @@ def test_staleness_shows_up_at_update_time_and_grows():
 def test_engine_kinds_round_weights_and_activations_like_an_engine():
     import torch
 
-    from pdm_lab.envs.encoders import BanditEncoder
-    from pdm_lab.envs.mismatch import Mismatch
-    from pdm_lab.envs.policies import NeuralPolicy
+    from pdm_lab.envs.problems.encoders import BanditEncoder
+    from pdm_lab.envs.problems.mismatch import Mismatch
+    from pdm_lab.envs.policies.models import NeuralPolicy
     from pdm_lab.quantize import quantize_dequantize
 
     gen = torch.Generator().manual_seed(0)
@@ -155,7 +155,7 @@ def test_scaling_fp8_uses_the_core_formula():
 def test_lognormal_spec_and_bad_tail():
     import pytest
 
-    from pdm_lab.envs.mismatch import Mismatch
+    from pdm_lab.envs.problems.mismatch import Mismatch
 
     m = Mismatch.parse("bf16_engine:0+lognormal:0.06:1.5")
     assert str(m) == "bf16_engine:0+lognormal:0.06:1.5" and m.sources[1].tail == 1.5

@@ -5,11 +5,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import functional_call, jvp
 
-from pdm_lab.envs.encoders import multi_hot
-from pdm_lab.envs.mismatch import Mismatch, engine_round
-from pdm_lab.envs.policies import make_policy
-from pdm_lab.envs.problems import ProblemConfig, TokenMDPConfig, make_problem
-from pdm_lab.envs.rollout import RolloutRNG
+from pdm_lab.envs.problems.encoders import multi_hot
+from pdm_lab.envs.problems.mismatch import Mismatch, engine_round
+from pdm_lab.envs.policies.models import make_policy
+from pdm_lab.envs.problems.problem import ProblemConfig, TokenMDPConfig, make_problem
+from pdm_lab.envs.problems.rollout import RolloutRNG
 
 
 def _setup(context_features: int, seed: int = 0):

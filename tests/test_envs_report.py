@@ -5,8 +5,8 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdm_lab.envs.report import COLLAPSE, REWARD, _by_config, _winner, sweep_section
-from pdm_lab.envs.summary import collapse_rate, config_label, mean_ci, newcombe_diff_ci, wilson_ci
+from pdm_lab.envs.report.sweep_report import COLLAPSE, REWARD, _by_config, _winner, sweep_section
+from pdm_lab.envs.report.summary import collapse_rate, config_label, mean_ci, newcombe_diff_ci, wilson_ci
 
 
 @given(st.lists(st.floats(-10, 10), min_size=1, max_size=30))

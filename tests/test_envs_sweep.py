@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from pdm_lab.config import MaskConfig
-from pdm_lab.envs.executors import LocalExecutor, make_executor
-from pdm_lab.envs.problems import ProblemConfig
-from pdm_lab.envs.sweep import COLUMNS, SweepConfig, cell_id, load_runs, mismatch_axis, run_sweep
-from pdm_lab.envs.train import TrainConfig
+from pdm_lab.mask_config import MaskConfig
+from pdm_lab.envs.sweep.executors import LocalExecutor, make_executor
+from pdm_lab.envs.problems.problem import ProblemConfig
+from pdm_lab.envs.sweep.grid import COLUMNS, SweepConfig, cell_id, load_runs, mismatch_axis, run_sweep
+from pdm_lab.envs.train.grpo import TrainConfig
 from pdm_lab.runtime.outputs import OutputPathError
 from pdm_lab.runtime.results import read_results
 

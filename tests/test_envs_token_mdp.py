@@ -7,9 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdm_lab.envs import ENV_ID
-from pdm_lab.envs.tasks import EOS, make_task
-from pdm_lab.envs.token_mdp import TokenMDP
-from pdm_lab.envs.token_mdp_vector import TokenMDPVectorEnv
+from pdm_lab.envs.problems.tasks import EOS, make_task
+from pdm_lab.envs.problems.token_mdp import TokenMDP
+from pdm_lab.envs.problems.token_mdp_vector import TokenMDPVectorEnv
 
 
 @pytest.mark.parametrize("task", ["sum", "grammar"])

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from pdm_lab.config import MaskConfig
-from pdm_lab.envs.problems import ProblemConfig
-from pdm_lab.envs.train import TrainConfig, is_collapsed, train
+from pdm_lab.mask_config import MaskConfig
+from pdm_lab.envs.problems.problem import ProblemConfig
+from pdm_lab.envs.train.grpo import TrainConfig, is_collapsed, train
 from pdm_lab.masks import MASK_RULES
 
 SMALL = dict(steps=2, groups_per_step=4, group_size=8, eval_sequences=64)
@@ -83,8 +83,8 @@ def test_divergence_to_non_finite_parameters_is_a_collapse_not_a_crash():
 
 
 def test_eval_sequences_sets_the_evaluation_sample():
-    from pdm_lab.envs.policies import make_policy
-    from pdm_lab.envs.problems import make_problem
+    from pdm_lab.envs.policies.models import make_policy
+    from pdm_lab.envs.problems.problem import make_problem
 
     cfg = TrainConfig(problem=ProblemConfig(kind="token_mdp"), policy="neural", steps=1, eval_sequences=5)
     out = train(cfg)
@@ -97,7 +97,7 @@ def test_eval_sequences_sets_the_evaluation_sample():
 
 def test_stage_configs_raise_config_error_with_a_hint():
     from pdm_lab.config import ConfigError
-    from pdm_lab.envs.sweep import SweepConfig
+    from pdm_lab.envs.sweep.grid import SweepConfig
 
     with pytest.raises(ConfigError, match="did you mean 'adam'"):
         TrainConfig(optimizer="adamw")

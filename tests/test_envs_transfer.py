@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pdm_lab.envs import transfer
+from pdm_lab.envs.transfer import compare as transfer
 
 A, B = "dppo_topk_kl", "pdm_topk"
 

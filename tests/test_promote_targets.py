@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdm_lab.runtime.cli import main
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.integrations.launch_files import verl_overrides
 from pdm_lab.scaling.config import load_config
 

@@ -3,8 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdm_lab.envs import audit_flips
-from pdm_lab.envs.audit_flips import row_ids
+from pdm_lab.envs.audit import flips as audit_flips
+from pdm_lab.envs.audit.flips import row_ids
 
 
 def _same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:

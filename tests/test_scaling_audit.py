@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.scaling import audit_step, train_step
 from pdm_lab.scaling.config import AuditConfig, TinyModelConfig, TrainerConfig, load_config
 from pdm_lab.scaling.policy_model import PolicyModel

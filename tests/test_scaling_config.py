@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdm_lab.config import ConfigError, MaskConfig
+from pdm_lab.config import ConfigError
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.scaling.config import TrainConfig, load_config, save_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.scaling import coupled_fd as sc
 from pdm_lab.scaling import train_step
 from pdm_lab.scaling.config import TinyModelConfig, TrainerConfig

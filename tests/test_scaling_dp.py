@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdm_lab.aggregation import DPInfo
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.scaling import train_step
 from pdm_lab.scaling.config import TinyModelConfig, TrainerConfig
 from pdm_lab.scaling.policy_model import PolicyModel

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.runtime.results import SCHEMA_VERSION, ResultsError, SweepRow, read_results, write_results
 from pdm_lab.scaling.config import load_config
 from pdm_lab.scaling.promote import SweepError, choose, group_cells, promote

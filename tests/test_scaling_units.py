@@ -13,7 +13,7 @@ import pdm_lab.loss
 import pdm_lab.masks
 import pdm_lab.policy_side
 import pdm_lab.support
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.scaling import policy_model, train_step
 from pdm_lab.advantages import group_advantages
 from pdm_lab.scaling.config import TinyModelConfig, TrainerConfig

@@ -26,7 +26,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..config import MaskConfig, to_dict
+from ..config import to_dict
+from pdm_lab.mask_config import MaskConfig
 from ..masks import MASK_RULES
 
 TARGETS = ("pdm", "trl", "verl")

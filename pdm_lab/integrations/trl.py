@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..audit_live import LiveAuditConfig
-from ..config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from ..engine_topk import EngineTopK, pad_responses, topk_from_ranked
 from ..loss import pdm_policy_loss
 from ..policy_side import policy_on_support

@@ -7,7 +7,8 @@ import dataclasses
 from typing import Any
 
 from ..aggregation import DPInfo
-from ..config import MaskConfig, from_dict
+from ..config import from_dict
+from pdm_lab.mask_config import MaskConfig
 from .launch_files import VERL_TOPK_ENV
 
 #: verl ``loss_mode`` names of pdm_lab's rules: ``pdm_lab.<rule>``.

@@ -8,7 +8,8 @@ import os
 import sys
 import typing
 
-from ..config import FINITE, ConfigError, Range, at_least, check_option, parse_value
+from ..config import FINITE, ConfigError, Range, at_least, check_option
+from pdm_lab.runtime.yaml_config import parse_value
 from .plugins import COMMANDS, PluginError, discover, load
 
 

@@ -1,5 +1,5 @@
 """The toy-sweep results table: one typed row per cell × seed, written by the sweep
-(``pdm_lab.envs.sweep``) and read by ``promote`` (``pdm_lab.scaling.promote``) — neither stage
+(``pdm_lab.envs.sweep.grid``) and read by ``promote`` (``pdm_lab.scaling.promote``) — neither stage
 imports the other; both go through this schema.
 
 Files in a sweep directory::

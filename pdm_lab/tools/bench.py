@@ -32,7 +32,8 @@ import torch
 
 from .benchtools import (allocator_setting, alternated_medians, best_of, in_fresh_process, load_average,
                          peak_extra_mb, policy_like, rollout_like_inputs)
-from ..config import ConfigError, MaskConfig, at_least
+from ..config import ConfigError, at_least
+from pdm_lab.mask_config import MaskConfig
 from ..loss import pdm_policy_loss
 from ..runtime.plugins import BENCHMARKS, BENCHMARKS_ON_DEMAND, PluginError, discover, load
 from ..policy_side import policy_on_support, policy_on_support_reference

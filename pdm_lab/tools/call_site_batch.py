@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..aggregation import DPInfo
-from ..config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from ..engine_topk import EngineTopK
 from ..loss import LossOutput, pdm_policy_loss
 from ..padding import PAD_ID, PAD_LOGP, PAD_SAMPLED, PAD_SAMPLED_LOGP

@@ -51,21 +51,22 @@ from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import (MEASURED_DIVERGENCES, PAPER_FIGURES, compare_paired, data_sufficiency, delta_rates,
                            flip_summary, gated_verdict, pooled_diff_ci, predicted_divergence, rate_summary,
                            regime_table, seeds_for_power, self_test, verdict)
-from pdm_lab.config import MaskConfig, to_dict
+from pdm_lab.config import to_dict
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, non_negative, one_of, positive  # field checks
 from pdm_lab.masks import get_mask_rule
 
 from pdm_lab.masks import outside_region
 from pdm_lab.support import support_from_full
 
-from .audit_flips import decompose, distinct_rows, group_ids
-from .audit_points import TrainedPolicies, plain_config, plain_step
-from .mismatch import Mismatch
-from .policies import POLICY_KINDS
-from .problems import ProblemConfig, make_problem
-from .rollout import RolloutRNG
-from .train import OPTIMIZERS, make_optimizer
-from .update import TokenBatch, current_stats, masked_loss
+from pdm_lab.envs.audit.flips import decompose, distinct_rows, group_ids
+from pdm_lab.envs.audit.points import TrainedPolicies, plain_config, plain_step
+from pdm_lab.envs.problems.mismatch import Mismatch
+from pdm_lab.envs.policies.models import POLICY_KINDS
+from pdm_lab.envs.problems.problem import ProblemConfig, make_problem
+from pdm_lab.envs.problems.rollout import RolloutRNG
+from pdm_lab.envs.train.grpo import OPTIMIZERS, make_optimizer
+from pdm_lab.envs.train.update import TokenBatch, current_stats, masked_loss
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 CONTEXTS = ("shared", "distinct")

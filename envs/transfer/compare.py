@@ -246,11 +246,12 @@ def run_transfer(run_dir, out: Path, *, preset_name: str = "paper", seeds: int |
 
     ``run_dir``: one run directory, or a list of them (seeds of one setting): their audited steps
     are pooled as audit points and their mismatch samples concatenated."""
-    from pdm_lab.config import apply_overrides, from_dict, to_dict
+    from pdm_lab.config import from_dict, to_dict
+    from pdm_lab.runtime.yaml_config import apply_overrides
 
-    from .audit import AuditConfig, run_audit
-    from .calibrate import run_table, search_strength
-    from .presets import AUDIT_PRESETS, preset
+    from pdm_lab.envs.audit.study import AuditConfig, run_audit
+    from pdm_lab.envs.transfer.calibrate import run_table, search_strength
+    from pdm_lab.envs.presets import AUDIT_PRESETS, preset
 
     start = time.perf_counter()
     run_dirs = [Path(r) for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
@@ -311,7 +312,7 @@ def add_parser(subparsers) -> None:
     """The ``transfer`` subcommand (registered by ``envs.commands.register_transfer``)."""
     from pdm_lab.runtime.cli import int_at_least
 
-    from .presets import AUDIT_PRESETS
+    from pdm_lab.envs.presets import AUDIT_PRESETS
 
     p = subparsers.add_parser(
         "transfer", help="toy audit calibrated to a scaling run vs the run's own audit (SPEC §6c): does the verdict transfer?",

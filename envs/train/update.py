@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.loss import LossOutput, pdm_policy_loss
 from pdm_lab.policy_side import policy_on_support
 from pdm_lab.stats import TokenStats, token_stats
 from pdm_lab.support import Support, support_from_full
 
-from .rollout import RolloutBatch
+from pdm_lab.envs.problems.rollout import RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -95,12 +95,12 @@ def masked_loss(policy, tokens: TokenBatch, cfg: MaskConfig, *, full: bool | Non
 
     ``full`` passes both full distributions to the core (``exact`` Ḋ, full-KL metrics); by
     default only when the rule needs them, since they cost two extra [N, n] passes. A rule that
-    needs ``coupled`` (``pdm_coupled``) gets c_t from ``envs/coupled_jvp.py``, preconditioned by
+    needs ``coupled`` (``pdm_coupled``) gets c_t from ``envs/train/coupled_jvp.py``, preconditioned by
     ``optimizer``'s state (None: the identity).
     """
     coupled = None
     if "coupled" in cfg.rule_record.needs:
-        from .coupled_jvp import toy_coupled_scores  # SPEC §3b: u by backward, g by JVP
+        from pdm_lab.envs.train.coupled_jvp import toy_coupled_scores  # SPEC §3b: u by backward, g by JVP
         coupled = toy_coupled_scores(policy, tokens, cfg, optimizer).c
     logits = policy(tokens.obs)
     pi = policy_on_support(logits, tokens.support.ids)

@@ -8,8 +8,8 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 from gymnasium import spaces
 
-from .tasks import EOS, AutomatonTask, make_task
-from .token_mdp import observation_space_for, render_episode
+from pdm_lab.envs.problems.tasks import EOS, AutomatonTask, make_task
+from pdm_lab.envs.problems.token_mdp import observation_space_for, render_episode
 
 
 class TokenMDPVectorEnv(VectorEnv):

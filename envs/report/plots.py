@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from .summary import collapse_rate, config_label, group_rows, mean_ci, mismatch_label, wilson_ci  # noqa: E402
+from pdm_lab.envs.report.summary import collapse_rate, config_label, group_rows, mean_ci, mismatch_label, wilson_ci  # noqa: E402
 
 X_LABEL = "realised mismatch: mean top-K KL(μ‖π) at update time"
 

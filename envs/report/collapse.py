@@ -29,14 +29,14 @@ the README.
 """
 from __future__ import annotations
 
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.runtime.evidence import COLLAPSE_MIN_STEPS, COLLAPSE_MIN_WINDOW
 
-from .bandit import BanditConfig
-from .problems import ProblemConfig
-from .summary import config_label, config_summary, group_rows, mismatch_label
-from .sweep import SweepConfig
-from .train import TrainConfig
+from pdm_lab.envs.problems.bandit import BanditConfig
+from pdm_lab.envs.problems.problem import ProblemConfig
+from pdm_lab.envs.report.summary import config_label, config_summary, group_rows, mismatch_label
+from pdm_lab.envs.sweep.grid import SweepConfig
+from pdm_lab.envs.train.grpo import TrainConfig
 
 #: The rules the collapse table compares: no mask, the ratio clip, DPPO, PDM.
 COLLAPSE_RULES = ("none", "ppo_clip", "dppo_topk_kl", "pdm_uniform", "pdm_topk")
@@ -62,7 +62,7 @@ def _fmt(triple: tuple[float, float, float], digits: int) -> str:
 def collapse_note() -> str:
     """One sentence stating the collapse definition and the run length it needs."""
     return ("*Collapsed*: non-finite parameters, or the smoothed batch-reward curve ends below half of the "
-            "best it reached and more than 0.05 below it (one definition for every rule; `pdm_lab.envs.collapse`). "
+            "best it reached and more than 0.05 below it (one definition for every rule; `pdm_lab.envs.report.collapse`). "
             f"It needs runs of ≥ {COLLAPSE_MIN_STEPS} steps (the smoothing window, a tenth of the run, must "
             f"average ≥ {COLLAPSE_MIN_WINDOW} batches); shorter runs show n/a.")
 

@@ -7,7 +7,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from .tasks import EOS, AutomatonTask, make_task
+from pdm_lab.envs.problems.tasks import EOS, AutomatonTask, make_task
 
 
 def observation_space_for(task: AutomatonTask) -> spaces.MultiDiscrete:
@@ -30,7 +30,7 @@ class TokenMDP(gym.Env):
 
     A toy analogue of LLM RL with verifiable rewards. An episode is one response to one prompt:
     the agent emits tokens from a vocabulary of n ids (id 0 is EOS) and receives a sparse reward
-    when it stops. The task (``sum`` or ``grammar``, see ``pdm_lab.envs.tasks``) is a finite
+    when it stops. The task (``sum`` or ``grammar``, see ``pdm_lab.envs.problems.tasks``) is a finite
     automaton read over the response; the prompt token names the instance (a target sum, a start
     state).
 

@@ -20,14 +20,14 @@ from torch import Tensor
 
 from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, one_of, positive  # field checks
 
-from .bandit import BanditConfig, SoftmaxBandit
-from .encoders import AutomatonEncoder, BanditEncoder, context_hash
-from .mismatch import Mismatch
-from .prior import zipf_logits
-from .rollout import RolloutBatch, RolloutRNG
-from .sampling import UniformPool, sample_from_cdf, sample_from_logits
-from .tasks import EOS, TASKS, make_task
-from .token_mdp_vector import TokenMDPVectorEnv
+from pdm_lab.envs.problems.bandit import BanditConfig, SoftmaxBandit
+from pdm_lab.envs.problems.encoders import AutomatonEncoder, BanditEncoder, context_hash
+from pdm_lab.envs.problems.mismatch import Mismatch
+from pdm_lab.envs.problems.prior import zipf_logits
+from pdm_lab.envs.problems.rollout import RolloutBatch, RolloutRNG
+from pdm_lab.envs.problems.sampling import UniformPool, sample_from_cdf, sample_from_logits
+from pdm_lab.envs.problems.tasks import EOS, TASKS, make_task
+from pdm_lab.envs.problems.token_mdp_vector import TokenMDPVectorEnv
 
 PROBLEM_KINDS = ("bandit", "token_mdp")
 

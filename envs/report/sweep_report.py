@@ -10,8 +10,8 @@ from typing import Callable
 
 from pdm_lab.runtime.evidence import COLLAPSE_MIN_STEPS, CRITERION, collapse_measurable, separation, shortfalls
 
-from .collapse import collapse_note, collapse_section
-from .summary import config_label, config_summary, group_rows, mismatch_label, newcombe_diff_ci
+from pdm_lab.envs.report.collapse import collapse_note, collapse_section
+from pdm_lab.envs.report.summary import config_label, config_summary, group_rows, mismatch_label, newcombe_diff_ci
 
 
 def _num(x: float, digits: int = 3) -> str:
@@ -156,7 +156,7 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
 def regime_section(tables: dict[str, dict], *, title: str = "### Regime (SPEC §6b calibration table)") -> list[str]:
     """The calibration table of each mismatch setting, and which settings are in the realistic
     band (outside fraction of Â ≠ 0 tokens 0.02–1%, p99.9/p50 ≥ 30)."""
-    from .calibrate import MARKDOWN_HEADER, markdown_row
+    from pdm_lab.envs.transfer.calibrate import MARKDOWN_HEADER, markdown_row
 
     lines = [title, "", MARKDOWN_HEADER]
     for name, table in tables.items():
@@ -233,7 +233,7 @@ def audit_section(doc: dict, figures: dict[str, Path], root: Path) -> list[str]:
              f"{doc['tokens_mean']:.0f} response tokens per seed ({doc['zero_advantage_mean']:.0f} had Â = 0).", ""]
     if doc.get("regime"):
         lines += regime_section({cfg["mismatch"]: doc["regime"]}, title="### Regime of the audited batches")
-    from .audit_report import decision_sections
+    from pdm_lab.envs.audit.report import decision_sections
 
     lines += decision_sections(doc)
     for ctx, block in doc["contexts"].items():

@@ -1,7 +1,7 @@
 """The toys' side of ``pdm_coupled`` (SPEC §3b): u = P∇_θ D_O by autograd, g by forward-mode JVP.
 
 ``JVPDirection`` implements ``pdm_lab.coupled.CoupledDirection`` for any toy policy (tabular or
-neural, ``envs/policies.py``): one backward of D_O = Σ_{t∈O} D_t (μ fixed) through
+neural, ``envs/policies/models.py``): one backward of D_O = Σ_{t∈O} D_t (μ fixed) through
 ``functional_call``, scaled by the preconditioner, then ``torch.func.jvp`` of every token's
 log π_t(k_t) along u — exact to rounding, every token at once. The formula c = Â·r·g and the set O
 come from the core (``pdm_lab.coupled``).
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, jvp
 
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.coupled import CoupledScores, coupled_scores, differentiable_topk_kl
 from pdm_lab.policy_side import policy_on_support
 from pdm_lab.stats import token_stats

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .tasks import AutomatonTask
+from pdm_lab.envs.problems.tasks import AutomatonTask
 
 
 _HASH_MOD = 2_147_483_647  # 2^31 − 1: every product below stays inside int64

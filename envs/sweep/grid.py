@@ -28,9 +28,9 @@ from pdm_lab.runtime.outputs import claim_output_dir
 from pdm_lab.masks import get_mask_rule
 from pdm_lab.runtime.results import COLUMNS, ResultsError, SweepRow, cell_path, row_from_dict, write_results
 
-from .mismatch import Mismatch
-from .records import plain, read_json_or_quarantine, write_json_atomic
-from .train import TrainConfig, train
+from pdm_lab.envs.problems.mismatch import Mismatch
+from pdm_lab.runtime.records import plain, read_json_or_quarantine, write_json_atomic
+from pdm_lab.envs.train.grpo import TrainConfig, train
 
 
 @config_dataclass("")
@@ -198,7 +198,7 @@ def run_sweep(cfg: SweepConfig, out: str | Path, *, executor=None, progress: boo
 
 
 def _run_sweep_locked(cfg: SweepConfig, out: Path, executor, progress: bool) -> dict:
-    from .executors import LocalExecutor
+    from pdm_lab.envs.sweep.executors import LocalExecutor
 
     write_json_atomic(out / "sweep.json", to_dict(cfg))
     jobs, total = pending_jobs(cfg, out)

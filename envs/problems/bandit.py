@@ -8,7 +8,7 @@ from torch import Tensor
 
 from pdm_lab.config import ConfigError, at_least, config_dataclass, non_negative, one_of  # field checks
 
-from .prior import zipf_logits
+from pdm_lab.envs.problems.prior import zipf_logits
 
 REWARD_KINDS = ("one_correct", "few_correct", "bernoulli", "gaussian")
 

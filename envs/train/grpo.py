@@ -17,17 +17,18 @@ import torch
 
 from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import unsafe_keep_rates
-from pdm_lab.config import ConfigError, MaskConfig, at_least, config_dataclass, in_range, one_of, positive  # field checks
+from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, one_of, positive  # field checks
+from pdm_lab.mask_config import MaskConfig
 from pdm_lab.metrics import MetricSums, as_mismatch, finalize_floats, merge_metrics, metric, step_metric_sums
 from pdm_lab.runtime.evidence import collapse_window
 
-from .mismatch import Mismatch
-from .policies import POLICY_KINDS, make_policy
-from .problems import ProblemConfig, make_problem
-from .records import JsonlWriter
-from .rollout import RolloutRNG
+from pdm_lab.envs.problems.mismatch import Mismatch
+from pdm_lab.envs.policies.models import POLICY_KINDS, make_policy
+from pdm_lab.envs.problems.problem import ProblemConfig, make_problem
+from pdm_lab.runtime.records import JsonlWriter
+from pdm_lab.envs.problems.rollout import RolloutRNG
 from pdm_lab.masks import outside_region
-from .update import current_stats, masked_loss, token_batch
+from pdm_lab.envs.train.update import current_stats, masked_loss, token_batch
 
 OPTIMIZERS = ("adam", "sgd")
 #: a smaller fall of the smoothed reward is not a collapse, whatever its fraction (batch noise)
@@ -54,7 +55,7 @@ class TrainConfig:
     hidden: Annotated[int, at_least(1)] = 64
     """hidden width of the neural policy."""
     mask: MaskConfig = field(default_factory=MaskConfig)
-    """mask rule, δ, K, convention, estimator, aggregation (pdm_lab.config.MaskConfig)."""
+    """mask rule, δ, K, convention, estimator, aggregation (pdm_lab.mask_config.MaskConfig)."""
     mismatch: str = "none"
     """μ's mismatch, e.g. ``noise:0.5`` or ``fp8_e4m3_weights:0+stale:4`` (see ``mismatch``)."""
     optimizer: str = "adam"

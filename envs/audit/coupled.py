@@ -1,6 +1,6 @@
 """The aggregate measure of SPEC §3b next to the per-token audit of SPEC §6.
 
-Built on the audit's own mechanics (``envs/audit.py``: the batch, the float64 cast, the
+Built on the audit's own mechanics (``envs/audit/study.py``: the batch, the float64 cast, the
 ``shared``/``distinct`` contexts, ``rule_steps`` with its token-sum loss, so ``lr`` = η is the
 effective per-token step). Per seed, with O = {t : D_t > δ, Â_t ≠ 0} (the audit's focus rows):
 
@@ -33,11 +33,11 @@ from pdm_lab import audit as stats_lib
 from pdm_lab.runtime.cli import int_at_least
 from pdm_lab.config import to_dict
 
-from .audit import (PRECISION, AuditConfig, audit_batch, audit_model, float64_tokens, measure, rule_steps,
+from pdm_lab.envs.audit.study import (PRECISION, AuditConfig, audit_batch, audit_model, float64_tokens, measure, rule_steps,
                     tokens_per_state)
-from .coupled_jvp import toy_coupled_scores
+from pdm_lab.envs.train.coupled_jvp import toy_coupled_scores
 from pdm_lab.masks import outside_region
-from .update import current_stats
+from pdm_lab.envs.train.update import current_stats
 
 COUPLED = "pdm_coupled"
 DIVERGENCES = stats_lib.MEASURED_DIVERGENCES
@@ -260,12 +260,12 @@ def run_coupled_audit(cfg: CoupledAuditConfig, out: str | Path | None = None, *,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pdm_lab.envs.coupled_audit``: the study on an audit preset (default ``paper``)."""
+    """``python -m pdm_lab.envs.audit.coupled``: the study on an audit preset (default ``paper``)."""
     import argparse
 
-    from .presets import AUDIT_PRESETS, preset
+    from pdm_lab.envs.presets import AUDIT_PRESETS, preset
 
-    ap = argparse.ArgumentParser(prog="python -m pdm_lab.envs.coupled_audit",
+    ap = argparse.ArgumentParser(prog="python -m pdm_lab.envs.audit.coupled",
                                  description="SPEC §3b: realised ΔD_O per rule and step size, per-token unsafe-keep")
     ap.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS))
     ap.add_argument("--policy", choices=("tabular", "neural"))

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from pdm_lab.config import one_of
 
-from .encoders import multi_hot, ngram_index
+from pdm_lab.envs.problems.encoders import multi_hot, ngram_index
 
 POLICY_KINDS = ("tabular", "neural")
 

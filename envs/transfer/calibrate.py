@@ -24,10 +24,10 @@ from pdm_lab.audit import regime_table
 from pdm_lab.config import ConfigError, in_range
 from pdm_lab.runtime.cli import int_at_least, integer, number
 
-from .audit import AuditConfig, _regime_inputs, _table, audit_batch, float64_tokens
-from .mismatch import Mismatch, MismatchSource
+from pdm_lab.envs.audit.study import AuditConfig, _regime_inputs, _table, audit_batch, float64_tokens
+from pdm_lab.envs.problems.mismatch import Mismatch, MismatchSource
 from pdm_lab.masks import outside_region
-from .update import current_stats
+from pdm_lab.envs.train.update import current_stats
 
 
 def toy_inputs(cfg: AuditConfig, seeds: int) -> list[tuple]:
@@ -168,8 +168,8 @@ MARKDOWN_HEADER = ("| setting | D p50 | D p99 | D p99.9 | D max | outside δ (Â
 
 def add_parser(subparsers) -> None:
     """The ``calibrate`` subcommand (registered by ``envs.cli.register``)."""
-    from .mismatch import MISMATCH_KINDS
-    from .presets import AUDIT_PRESETS, STRESS_MISMATCHES
+    from pdm_lab.envs.problems.mismatch import MISMATCH_KINDS
+    from pdm_lab.envs.presets import AUDIT_PRESETS, STRESS_MISMATCHES
 
     p = subparsers.add_parser(
         "calibrate", help="the mismatch regime of a toy setting or a scaling run (SPEC §6b): D quantiles, outside fraction, tail ratio",
@@ -190,7 +190,7 @@ def add_parser(subparsers) -> None:
 
 
 def main(args) -> int:
-    from .presets import AUDIT_PRESETS, STRESS_MISMATCHES, preset
+    from pdm_lab.envs.presets import AUDIT_PRESETS, STRESS_MISMATCHES, preset
 
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sampling import UniformPool
+from pdm_lab.envs.problems.sampling import UniformPool
 
 
 @dataclass(frozen=True)

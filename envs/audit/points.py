@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from pdm_lab.advantages import group_advantages
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 
-from .mismatch import Mismatch
-from .policies import make_policy
-from .rollout import RolloutRNG
-from .train import TrainConfig, make_optimizer
-from .update import masked_loss, token_batch
+from pdm_lab.envs.problems.mismatch import Mismatch
+from pdm_lab.envs.policies.models import make_policy
+from pdm_lab.envs.problems.rollout import RolloutRNG
+from pdm_lab.envs.train.grpo import TrainConfig, make_optimizer
+from pdm_lab.envs.train.update import masked_loss, token_batch
 
 #: RolloutRNG seeds of the training runs (apart from the audit seeds' own batches).
 TRAIN_SEED_BASE = 20_000

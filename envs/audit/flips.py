@@ -25,10 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from pdm_lab.audit import FLIP_CAUSES
-from pdm_lab.config import MaskConfig
+from pdm_lab.mask_config import MaskConfig
 
-from .policies import cached_input
-from .update import TokenBatch, masked_loss
+from pdm_lab.envs.policies.models import cached_input
+from pdm_lab.envs.train.update import TokenBatch, masked_loss
 
 #: the central difference is taken at ±this fraction of each group's step (third-order error
 #: ~ this² relative to the first-order term; float64 rounding far below it).
