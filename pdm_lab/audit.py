@@ -381,3 +381,57 @@ def self_test(per_rule: dict, *, max_unsafe: float = 0.005, min_tokens: int = 20
     tested = [c for c in checks.values() if c["tested"]]
     return {"passed": (not failures) if tested else None, "checks": checks, "failures": failures,
             "max_unsafe": max_unsafe, "min_tokens": min_tokens}
+
+
+def wilson_ci(successes: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial rate (Wilson 1927): (NaN, NaN) when n = 0.
+
+    Unlike the Wald interval it stays inside [0, 1] and keeps its coverage at rates near 0 or 1,
+    which the probe's sign-agreement rates often are.
+    """
+    if not 0 < level < 1:
+        raise PDMInputError(f"level: must be in (0, 1), got {level}")
+    if n < 0 or not 0 <= successes <= max(n, 0):
+        raise PDMInputError(f"wilson_ci: need 0 ≤ successes ≤ n, got successes={successes}, n={n}")
+    if n == 0:
+        return math.nan, math.nan
+    z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - (1 - level) / 2, dtype=torch.float64)))
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def median_ci(values, level: float = 0.95) -> tuple[float, float, float]:
+    """Median and a distribution-free interval from order statistics (the binomial(n, ½) ranks
+    n/2 ± z·√n/2, normal approximation); NaN entries dropped, all NaN when none is left."""
+    x = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    x = x[~torch.isnan(x)].sort().values
+    n = int(x.numel())
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - (1 - level) / 2, dtype=torch.float64)))
+    lo = max(0, math.floor(n / 2 - z * math.sqrt(n) / 2))
+    hi = min(n - 1, math.ceil(n / 2 + z * math.sqrt(n) / 2) - 1)
+    return float(x.quantile(0.5)), float(x[lo]), float(x[max(hi, lo)])
+
+
+def paired_rate_diff_ci(a_right, b_right, level: float = 0.95) -> dict:
+    """Rate of A minus rate of B on the same tokens (paired), with the Wald interval of a paired
+    difference of proportions: d = (n₁₀ − n₀₁)/n, se = √((n₁₀ + n₀₁) − (n₁₀ − n₀₁)²/n)/n.
+
+    Args:
+        a_right, b_right: [n] bool, whether A (B) was right on each token.
+    """
+    a = torch.as_tensor(a_right, dtype=torch.bool).reshape(-1)
+    b = torch.as_tensor(b_right, dtype=torch.bool).reshape(-1)
+    if a.shape != b.shape:
+        raise PDMInputError(f"paired samples differ in length: {a.numel()} vs {b.numel()}")
+    n = int(a.numel())
+    if n == 0:
+        return {"diff": math.nan, "lo": math.nan, "hi": math.nan, "n": 0, "a_only": 0, "b_only": 0}
+    n10, n01 = int((a & ~b).sum()), int((~a & b).sum())
+    z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - (1 - level) / 2, dtype=torch.float64)))
+    d = (n10 - n01) / n
+    se = math.sqrt(max((n10 + n01) - (n10 - n01) ** 2 / n, 0.0)) / n
+    return {"diff": d, "lo": d - z * se, "hi": d + z * se, "n": n, "a_only": n10, "b_only": n01}
