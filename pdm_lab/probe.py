@@ -39,7 +39,7 @@ from .stats import token_stats
 from .support import Support
 
 __all__ = ["FunctionalKernel", "LogitKernel", "own_direction", "fit_kernel_ab", "own_update_probe",
-           "probe_with_kernel", "step_decomposition", "pool_probe", "pool_decomposition", "probe_rows",
+           "probe_with_kernel", "divergence_grads", "step_decomposition", "pool_probe", "pool_decomposition", "probe_rows",
            "support_in_float64", "DECOMP_PARTS", "SUBSETS"]
 
 SUBSETS = ("outside", "disagreement")
@@ -88,7 +88,7 @@ def _outward(rule: MaskRule, stats, adv: Tensor) -> Tensor | None:
     return predictive_outward(stats, adv, rule.estimator) if rule.estimator in stats.ddot else None
 
 
-def _divergence_grads(support: Support, logits: Tensor, mu_full_logp: Tensor | None):
+def divergence_grads(support: Support, logits: Tensor, mu_full_logp: Tensor | None):
     """∇_z D for each measured divergence, by autograd of the core's functions; and π on S."""
     z = logits.detach().double().requires_grad_(True)
     pi = policy_on_support(z, support.ids)
@@ -129,7 +129,7 @@ def own_update_probe(support: Support, logits: Tensor, kv: dict[str, Tensor], ad
     for key, value in kv.items():
         check_same((f"kv[{key!r}]", "logits"), value, logits)
     adv, r = advantages.double(), ratio.double()
-    grads, pi = _divergence_grads(support, logits, mu_full_logp)
+    grads, pi = divergence_grads(support, logits, mu_full_logp)
     logp_full = torch.log_softmax(logits.detach().double(), -1)
     stats = token_stats(support, pi, mu_full=None if mu_full_logp is None else mu_full_logp.double(),
                         pi_full=None if mu_full_logp is None else logp_full)

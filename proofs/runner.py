@@ -18,7 +18,7 @@ from .registry import CLAIMS, Checker, Claim, ClaimFailed
 
 # Importing the claim modules registers their claims, in SPEC order.
 from . import ddot_closed_form, estimators, bounds, divergences, other_measures  # noqa: E402,F401
-from . import coupled_direction  # noqa: E402,F401
+from . import coupled_direction, kernel_probe  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ def test_claims_cover_spec():
                 "agg_error_bound", "uniform_error_bound", "certified_interval", "topk_kl_nonnegative",
                 "topk_kl_le_full_kl", "reverse_kl_derivative", "f_divergence_derivative",
                 "tv_derivative", "ratio_test_first_order", "coupled_reduces_to_topk",
-                "coupled_is_first_order_change"}
+                "coupled_is_first_order_change", "ratio_test_kernel_invariant", "pdm_is_identity_kernel_case",
+                "sign_step_fact", "unembedding_kernel_identity"}
     assert expected <= set(CLAIMS)
 
 
@@ -80,6 +81,16 @@ def test_coupled_claim_fails_when_no_numeric_trial_can_run(monkeypatch):
     monkeypatch.setattr(coupled_direction, "SHARED_DELTA", 1e6)
     result = run_claim(CLAIMS["coupled_is_first_order_change"], seed=0)
     assert result.verdict == "FAIL" and "0 of 3 numeric trials ran" in result.detail, result.detail
+
+
+def test_kernel_claims_catch_a_probe_that_forgets_the_network(monkeypatch):
+    """A kernel that returns v (as if K = I) fails the SPEC §6d claims that read K v."""
+    from pdm_lab import probe_kernel
+
+    monkeypatch.setattr(probe_kernel.FunctionalKernel, "kernel_v", lambda self, rows, v, precondition=False: v.clone())
+    report = run_proofs(only="ratio_test_kernel_invariant,unembedding_kernel_identity")
+    assert {r.name for r in report.failures} == {"ratio_test_kernel_invariant", "unembedding_kernel_identity"}
+    assert all(r.verdict == "FAIL" and " vs " in r.detail for r in report.failures)
 
 
 def test_report_markdown(tmp_path):
