@@ -23,7 +23,7 @@ from pdm_lab.config import ConfigError
 from .config import TrainConfig
 from .data import DataError
 from .distributed import Layout, default_ranks
-from .loop import check_layout
+from .run_setup import check_layout
 from .tasks import sample_examples
 from .verifiers import get_verifier
 
