@@ -2,13 +2,13 @@
 
 A small recursive-descent parser (numbers, + − × ÷ ^, parentheses, ``\\frac``, ``\\sqrt``, π)
 builds sympy numbers directly (no ``eval``, no ``sympify`` of text); ``grade_values`` compares
-two answers' values. Model output is data, possibly adversarial: the parser bounds what it builds
-(the limits below), but sympy's own algorithms (``is_rational`` → ``minimal_polynomial``,
-``evalf``) run in C-speed loops that no step counter sees, for minutes and gigabytes on a
-one-line input. So the verifier never calls them in its own process: ``serve`` runs this file
-as a separate worker (``python math_value.py --serve``, ``pdm_lab.scaling.math_worker`` starts
-and kills it) with a CPU-time and an address-space limit, and the parent kills it when a reply
-is late.
+two answers' values. Model output is data, possibly adversarial: the parser counts its steps and
+bounds the height of what it builds, and the symbolic test bounds what it expands (the limits
+below, all counted in work, so a verdict never depends on the machine's load). sympy's own
+algorithms still run in C-speed loops that no counter sees, so the verifier never calls them in
+its own process: ``serve`` runs this file as a separate worker (``python math_value.py --serve``,
+``pdm_lab.scaling.math_worker`` starts and kills it) with a CPU-time and an address-space limit
+as a safety net.
 
 This module imports only the standard library and sympy: the worker runs it by path, without
 ``pdm_lab`` (and torch) in its memory.
@@ -19,29 +19,36 @@ import json
 import math
 import re
 import sys
-import time
 
 import sympy
 
 # ---------------------------------------------------------------------------- budget
 
-#: Limits per parse: a completion is data from a model, possibly adversarial, and one stalled
-#: verifier call stalls its rank and, through the collectives, every rank.
+#: Limits per grading, all counted in work, never in time: a verdict is a function of the two
+#: answers alone, the same on an idle and on a loaded machine. A completion is data from a model,
+#: possibly adversarial, and one stalled verifier call stalls its rank and, through the
+#: collectives, every rank.
 MAX_ANSWER_CHARS = 512
 """Extracted answers longer than this are unparseable (a real final answer is short)."""
 MAX_TOKENS = 200
 """Tokens in one parsed answer."""
+MAX_OPS = 4 * MAX_TOKENS
+"""Parser steps per answer (each token is taken once; the bound leaves room for \\frac12)."""
 MAX_BITS = 4096
-"""Bit length cap on every numerator/denominator the parser keeps (about 1233 digits); a power is
-refused *before* it is computed if its result would exceed it, so no intermediate ever exceeds
-2·MAX_BITS (the product of two kept values, refused right after)."""
+"""Cap on the height of every value the parser keeps (``_height``: the bits of its rationals, a
+power's exponent times its base's height; about 1233 digits); a power is refused *before* it is
+computed if its result would exceed it, so no intermediate ever exceeds 2·MAX_BITS."""
 MAX_DEPTH = 32
 """Nesting depth of groups (parentheses, braces, fractions, roots)."""
 MAX_ROOT = 64
 """Largest root index / exponent denominator: ``\\sqrt[n]{x}`` and ``x^{p/q}`` need n, q ≤ this."""
-TIME_BUDGET_S = 1.0
-"""Seconds per grading: the worker's parser stops between steps past it, the worker's CPU limit
-and the parent's kill hold it inside sympy."""
+MAX_EXPAND_TERMS = 2048
+"""Terms the symbolic zero test may expand the difference into (``_terms``: an upper bound
+computed before expanding); beyond it equality is decided numerically."""
+SAFETY_S = 20.0
+"""Wall-clock seconds after which the worker is stopped (its CPU limit, the parent's kill): a
+safety net for a sympy algorithm the work counts above missed, not the budget; a grading that
+reaches it is "unparseable" and counted (``math_worker.WorkerCounts``)."""
 
 
 class _ParseError(ValueError):
@@ -49,30 +56,61 @@ class _ParseError(ValueError):
 
 
 class _Budget:
-    """Counts parser steps and stops the parser past its deadline; ``max_bits`` records the
-    largest integer built (for tests bounding the worst case)."""
+    """Counts parser steps (``ops``, at most ``max_ops``) and caps every value's height at
+    ``bits``; ``max_bits`` records the largest integer built (for tests bounding the worst case)."""
 
-    def __init__(self, seconds: float = TIME_BUDGET_S):
-        self.deadline = time.monotonic() + seconds
+    def __init__(self, *, max_ops: int = MAX_OPS, bits: int = MAX_BITS):
+        self.max_ops = max_ops
+        self.bits = bits
         self.ops = 0
         self.max_bits = 0
 
     def tick(self) -> None:
         self.ops += 1
-        if time.monotonic() > self.deadline:
-            raise _ParseError("time budget exceeded")
+        if self.ops > self.max_ops:
+            raise _ParseError("work budget exceeded")
 
     def check(self, value: sympy.Expr) -> sympy.Expr:
-        """Refuse a rational whose numerator or denominator exceeds ``MAX_BITS``."""
+        """Refuse a value whose height (``_height``) exceeds the cap."""
         if isinstance(value, sympy.Rational):
             bits = max(int(value.p).bit_length(), int(value.q).bit_length())
             self.max_bits = max(self.max_bits, bits)
-            if bits > MAX_BITS:
+            if bits > self.bits:
                 raise _ParseError("number too large")
-        elif value.is_number:  # irrational: bound every rational inside it
-            for atom in value.atoms(sympy.Rational):
-                self.check(atom)
+        elif value.is_number and _height(value) > self.bits:
+            raise _ParseError("number too large")
         return value
+
+
+def _height(e: sympy.Expr) -> int:
+    """An upper bound on the bits needed to write `e` out: a rational's bit length, 2 for π, a sum
+    or product the sum of its parts' (+1 per term), a power p/q the base's times |p| (the exponent
+    is no number the value holds). (√2 + 1)^4096 is 16384: refused, where counting the atoms'
+    bits (2 and 4096) let it through to sympy's minimal_polynomial for minutes."""
+    if isinstance(e, sympy.Rational):
+        return max(int(e.p).bit_length(), int(e.q).bit_length(), 1)
+    if e.is_Atom:
+        return 2
+    if isinstance(e, sympy.Pow) and isinstance(e.exp, sympy.Rational):
+        return abs(int(e.exp.p)) * _height(e.base)
+    return sum(_height(arg) for arg in e.args) + (len(e.args) if isinstance(e, sympy.Add) else 0)
+
+
+def _terms(e: sympy.Expr) -> int:
+    """An upper bound on the terms of ``sympy.expand(e)``, computed without expanding: a sum adds
+    its parts', a product multiplies them, an integer power n of t terms gives C(n + t − 1, t − 1);
+    a root counts its radicand's."""
+    if isinstance(e, sympy.Add):
+        return sum(_terms(arg) for arg in e.args)
+    if isinstance(e, sympy.Mul):
+        return math.prod(_terms(arg) for arg in e.args)
+    if isinstance(e, sympy.Pow):
+        t = _terms(e.base)
+        exp = e.exp
+        if isinstance(exp, sympy.Integer) and t > 1:
+            return math.comb(abs(int(exp)) + t - 1, t - 1)
+        return t
+    return 1
 
 
 # ---------------------------------------------------------------------------- safe value parser
@@ -190,12 +228,10 @@ class _Parser:
             raise _ParseError("exponent must be a rational p/q with a small q")
         if base == 0 and exp < 0:
             raise _ParseError("division by zero")
-        p = abs(int(exp.p))
-        # the result's size is about p × the bits of the base's largest rational (sympy folds
-        # (√n)^p into n^{p/2}); π and friends count as 8 bits
-        size = max((max(int(r.p).bit_length(), int(r.q).bit_length()) for r in base.atoms(sympy.Rational)),
-                   default=8)
-        if p * max(size, 1) > MAX_BITS:  # the result would not fit: refuse before computing it
+        if base == 0 and exp == 0:
+            return sympy.Integer(1)  # the convention 0^0 = 1 (``grade_values``)
+        # the result's height is at most |p| × the base's (sympy folds (√n)^p into n^{p/2})
+        if abs(int(exp.p)) * _height(base) > self.budget.bits:  # refuse before computing it
             raise _ParseError("power too large")
         return self.budget.check(base ** exp)
 
@@ -254,8 +290,7 @@ def parse_value(s: str, budget: _Budget | None = None) -> sympy.Expr | None:
     """Exact value of a simple numeric expression (LaTeX or plain, ASCII digits), or None if
     unparseable (not one, too long, too large, or past the budget's deadline).
 
-    Runs in the caller's process: the parser's own steps and numbers are bounded, sympy's
-    simplification of what it builds is not (``grade_values`` in the worker bounds that)."""
+    Every step is counted (``_Budget``): the result is the same whatever the machine's load."""
     if len(s) > MAX_ANSWER_CHARS:
         return None
     budget = budget or _Budget()
@@ -266,31 +301,57 @@ def parse_value(s: str, budget: _Budget | None = None) -> sympy.Expr | None:
     return value if value.is_number else None
 
 
-#: Relative tolerance for irrational values, compared at ``_DIGITS`` significant digits. Tight
-#: on purpose: with roots limited to index ≤ MAX_ROOT, distinct answers differ far above it, and a
-#: loose 1e-9 made ``\sqrt[10^{64}]{2}`` equal to 1.
+#: Relative tolerance for irrational values the symbolic test leaves undecided, compared at
+#: ``_DIGITS`` significant digits. Tight on purpose: with roots limited to index ≤ MAX_ROOT,
+#: distinct answers differ far above it, and a loose 1e-9 made ``\\sqrt[10^{64}]{2}`` equal to 1.
 _DIGITS = 60
 _REL_TOL = 1e-40
 
 
-def grade_values(a: str, b: str, seconds: float = TIME_BUDGET_S) -> str:
-    """``"equal"``, ``"unequal"`` or ``"unparseable"`` for two normalised answers, by exact value
-    (irrational: within 1e-40 relative at 60 digits).
+def _is_zero(d: sympy.Expr, terms: int = MAX_EXPAND_TERMS) -> bool | None:
+    """Whether `d` is symbolically 0: True when it is 0 after expanding, then with its
+    denominators rationalised and its nested radicals denested (``radsimp``: at most 4 radicals
+    per denominator; ``sqrtdenest``: 3 passes); False when one of those forms is a nonzero
+    rational; None (undecided) otherwise, or when ``_terms`` says an expansion would exceed
+    `terms`."""
+    for rewrite in (lambda e: e, sympy.expand, lambda e: sympy.expand(sympy.radsimp(e)),
+                    lambda e: sympy.expand(sympy.radsimp(sympy.sqrtdenest(e)))):
+        if _terms(d) > terms:
+            return None
+        e = rewrite(d)
+        if e == 0:
+            return True
+        if isinstance(e, sympy.Rational):
+            return False
+    return None
 
-    In-process and unbounded inside sympy: the verifier calls it only in the worker (``serve``)."""
-    budget = _Budget(seconds)
+
+def grade_values(a: str, b: str, *, max_ops: int = MAX_OPS, bits: int = MAX_BITS,
+                 terms: int = MAX_EXPAND_TERMS) -> str:
+    """``"equal"``, ``"unequal"`` or ``"unparseable"`` for two normalised answers.
+
+    Rationals are compared exactly. Otherwise equality is decided symbolically where sympy can:
+    the difference is zero after expanding, rationalising and denesting (``_is_zero``:
+    ``(1+\\sqrt{2})^{2}-(3+2\\sqrt{2})`` is 0), or a nonzero rational. A difference it cannot
+    reduce to either is compared numerically: equal within 1e-40 relative at 60 digits, else unequal. Conventions: 0^0 = 1;
+    0/0 and x^{-1} at x = 0 (any division by zero) are undefined, so "unparseable". Every bound
+    is counted work (``_Budget``, ``MAX_EXPAND_TERMS``), never time: the verdict does not depend
+    on the machine's load. The verifier calls it in the worker (``serve``), whose time and memory
+    limits are a safety net only."""
+    budget = _Budget(max_ops=max_ops, bits=bits)
     va, vb = parse_value(a, budget), parse_value(b, budget)
     if va is None or vb is None:
         return "unparseable"
     try:
-        if va.is_rational and vb.is_rational:
+        if isinstance(va, sympy.Rational) and isinstance(vb, sympy.Rational):
             return "equal" if va == vb else "unequal"
-        budget.tick()
+        zero = _is_zero(va - vb, terms)
+        if zero is not None:
+            return "equal" if zero else "unequal"
         fa, fb = va.evalf(_DIGITS), vb.evalf(_DIGITS)
-        budget.tick()
         scale = max(abs(fb), sympy.Integer(1))
         return "equal" if abs(fa - fb) <= _REL_TOL * scale else "unequal"
-    except (_ParseError, TypeError, ValueError, OverflowError):
+    except (_ParseError, TypeError, ValueError, OverflowError, ZeroDivisionError):
         return "unparseable"
 
 
@@ -347,7 +408,8 @@ def _limit_cpu(seconds: float) -> None:
 
 
 def serve(memory_bytes: int) -> None:
-    """The worker loop: one JSON request ``[a, b, seconds]`` per line on stdin, one reply
+    """The worker loop: one JSON request ``[a, b, limits]`` per line on stdin (``limits``: the
+    keyword arguments of ``grade_values`` and ``seconds``, the safety net), one reply
     ``[verdict, outcome]`` per line on stdout (outcome ``done``, ``error`` or ``memory``).
 
     Returns at EOF (the parent closed the pipe or died) and after a MemoryError (sympy's caches
@@ -360,10 +422,10 @@ def serve(memory_bytes: int) -> None:
     out.write(READY)
     out.flush()
     for line in inp:
-        a, b, seconds = json.loads(line)
-        _limit_cpu(seconds)
+        a, b, limits = json.loads(line)
+        _limit_cpu(limits.pop("seconds", SAFETY_S))
         try:
-            verdict, outcome = grade_values(a, b, seconds), "done"
+            verdict, outcome = grade_values(a, b, **limits), "done"
         except MemoryError:
             verdict, outcome = "unparseable", "memory"
         except Exception:  # noqa: BLE001 - sympy failing on model output: no value was read

@@ -1,10 +1,12 @@
 """The math verifier's budgeted worker process: sympy never runs in the caller's process.
 
 One worker per process, started on first use and reused (a reply costs a pipe round trip, not a
-Python start-up), running ``math_value.py --serve`` with its own limits. Three bounds hold every
-grading, the third even inside sympy's C-speed loops:
+Python start-up), running ``math_value.py --serve`` with its own limits. The grading's budget is
+counted work (``math_value``), so its verdict does not depend on load; three safety nets stop a
+sympy algorithm the counts missed, the third even inside sympy's C-speed loops:
 
-* the parent waits ``seconds`` plus a small grace for the reply, then SIGKILLs the worker;
+* the parent waits ``seconds`` (``math_value.SAFETY_S``) plus a small grace for the reply, then
+  SIGKILLs the worker;
 * the worker's soft CPU limit (``RLIMIT_CPU``) terminates it a second or so past its budget,
   also when the parent is gone;
 * its address space is capped (``RLIMIT_AS``), so a runaway value raises MemoryError inside the
@@ -61,6 +63,9 @@ class WorkerCounts:
 class MathWorker:
     """A reusable budgeted ``math_value.grade_values`` in a child process (thread-safe)."""
 
+    #: The worker's Python command (``-c``); a test may prepend to it (a clock that runs fast).
+    boot = _BOOT
+
     def __init__(self, memory_bytes: int = WORKER_MEMORY_BYTES):
         self.memory_bytes = memory_bytes
         self.counts = WorkerCounts()
@@ -71,7 +76,7 @@ class MathWorker:
     # -- lifetime
     def _start(self) -> subprocess.Popen:
         script = str(Path(math_value.__file__).resolve())
-        proc = subprocess.Popen([sys.executable, "-c", _BOOT, script, "--serve", str(self.memory_bytes)],
+        proc = subprocess.Popen([sys.executable, "-c", self.boot, script, "--serve", str(self.memory_bytes)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 close_fds=True)
         line = _read_line(proc, time.monotonic() + START_TIMEOUT_S)
@@ -90,16 +95,17 @@ class MathWorker:
             _kill(proc)
 
     # -- a grading
-    def grade(self, a: str, b: str, seconds: float = math_value.TIME_BUDGET_S) -> str:
-        """``grade_values(a, b)`` in the worker: its verdict, or ``"unparseable"`` when the worker
-        ran out of time or memory (``counts.last_outcome`` says which)."""
+    def grade(self, a: str, b: str, seconds: float = math_value.SAFETY_S, **limits: int) -> str:
+        """``grade_values(a, b, **limits)`` in the worker: its verdict, or ``"unparseable"`` when the
+        worker reached a safety net, `seconds` of wall or CPU time or its memory
+        (``counts.last_outcome`` says which)."""
         with self._lock:
             if os.getpid() != self._owner:  # a forked child must not share its parent's pipes
                 self._proc, self._owner = None, os.getpid()
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = self._start()
             proc = self._proc
-            request = json.dumps([a, b, seconds]).encode() + b"\n"
+            request = json.dumps([a, b, {**limits, "seconds": seconds}]).encode() + b"\n"
             try:
                 proc.stdin.write(request)
                 proc.stdin.flush()

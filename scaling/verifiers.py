@@ -3,8 +3,9 @@
 * ``math``: the last ``\\boxed{...}`` (or, failing that, the last ``Answer: ...`` line, DAPO's
   format) compared with the reference by normalised string equality, then by exact value
   (``math_value``: a small parser that builds sympy numbers directly, no ``eval``, no
-  ``sympify`` of text), computed in a worker process with a time and memory budget
-  (``math_worker``). Extraction is linear in the completion's length; an adversarial answer is
+  ``sympify`` of text; equality decided symbolically where sympy can, numerically at 60 digits
+  otherwise), under a budget counted in work, so the verdict never depends on load, computed in
+  a worker process with time and memory limits as a safety net (``math_worker``). Extraction is linear in the completion's length; an adversarial answer is
   graded "unparseable" (``grade_math``), never a stall of the rank and its collectives.
 * ``exact``: stripped string equality (the synthetic tasks).
 * ``module:function``: any importable ``fn(response: str, answer: str) -> float``.
@@ -19,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .math_value import MAX_ANSWER_CHARS, TIME_BUDGET_S
+from .math_value import MAX_ANSWER_CHARS
 from .math_worker import worker
 
 Verifier = Callable[[str, str], float]
@@ -99,9 +100,10 @@ def normalize_answer(s: str) -> str:
 
 def grade_math(pred: str, ref: str) -> str:
     """``"equal"``, ``"unequal"``, or ``"unparseable"`` (a value could not be read within the
-    budget: not a number, too large, or more than ``TIME_BUDGET_S`` of sympy's time or
-    ``math_worker.WORKER_MEMORY_BYTES`` of its memory). Normalised string equality first, then
-    exact values, computed in the budgeted worker process (``math_worker``)."""
+    budget: not a number, too large, an undefined value such as 0/0, or past a safety net of the
+    worker). Normalised string equality first, then exact values (``math_value.grade_values``,
+    whose conventions: 0^0 = 1, 0/0 and 0^{-1} unparseable), computed in the worker process
+    (``math_worker``)."""
     if len(pred) > 4 * MAX_ANSWER_CHARS or len(ref) > 4 * MAX_ANSWER_CHARS:
         return "unparseable"  # no real final answer is this long; normalising it is wasted work
     a, b = normalize_answer(pred), normalize_answer(ref)
@@ -109,7 +111,7 @@ def grade_math(pred: str, ref: str) -> str:
         return "equal"
     if len(a) > MAX_ANSWER_CHARS or len(b) > MAX_ANSWER_CHARS:
         return "unparseable"
-    return worker().grade(a, b, TIME_BUDGET_S)
+    return worker().grade(a, b)
 
 
 def math_equal(pred: str, ref: str) -> bool:
