@@ -4,6 +4,10 @@
 the ``topk`` estimator) in one pass over the vocabulary, chunked over tokens so that no float32
 [N, V] log-softmax is ever materialised, forward or backward. ``policy_on_support_reference`` is
 the naive equivalent (``log_softmax(logits / T).gather(...)``) that tests and the bench compare to.
+
+With the engine's sampling mask (``sampling=``, ``pdm_lab.sampling_mask``) π is the softmax over
+the sampling set C only: z_i = −inf outside it, chunk by chunk in the forward and again in the
+backward (C is recomputed, never stored as [N, V]); the tail is C ∖ S and its size is returned.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from .errors import PDMInputError, check_logp, check_same, check_tensor, raise_a
 from .fast.compiled import maybe_compiled
 from .fast.rowops import any_duplicate
 from .numerics import masked_logsumexp
+from .sampling_mask import SamplingMask, forced_keep, sampling_keep
 from .support_checks import outside, raise_duplicate_ids
 
 #: Elements of one float32 chunk of logits (4 MiB): a few such temporaries bound peak memory.
@@ -32,11 +37,15 @@ class PolicyOnSupport:
         logp: [N, m] log π_i on the support ids, −inf at padding; differentiable w.r.t. logits.
         tail_logp: [N] log π_T (no grad).
         tail_log_sumsq: [N] log Σ_{i∉S} π_i² (no grad).
+        tail_count: [N] int64 t = |C ∖ S|, the tail's tokens inside the engine's sampling set C
+            (``pdm_lab.sampling_mask.on_sampling_set`` puts it on the support); None without a
+            sampling mask (the tail is every token outside S).
     """
 
     logp: Tensor
     tail_logp: Tensor
     tail_log_sumsq: Tensor
+    tail_count: Tensor | None = None
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -64,9 +73,30 @@ def _pads_to_real(ids: Tensor) -> Tensor:
     return torch.where(ids >= 0, ids, fill)
 
 
+def _scaled(logits: Tensor, ids: Tensor, temperature: float, sampling: SamplingMask | None,
+            keep_on_support: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """z = logits / T in the compute dtype, −inf outside the sampling set C, and C ([c, V] bool;
+    None without a sampling mask)."""
+    z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    if sampling is None:
+        return z, None
+    keep = forced_keep(sampling_keep(z, sampling), ids, keep_on_support)
+    return z.masked_fill(~keep, float("-inf")), keep
+
+
+def _tail_count(keep: Tensor, ids: Tensor) -> Tensor:
+    """[c] |C ∖ S|: C's size less the support's valid ids inside C."""
+    on_support = keep.gather(1, ids.clamp(min=0).long()) & (ids >= 0)
+    return keep.sum(dim=1) - on_support.sum(dim=1)
+
+
 def _chunk_forward(logits: Tensor, ids: Tensor, temperature: float):
     """One chunk of rows: (log π on ids [c, m], log Z [c], log π_T [c], log Σ_{i∉S} π_i² [c])."""
     z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    return _forward_from_z(z, ids)
+
+
+def _forward_from_z(z: Tensor, ids: Tensor):
     lse = torch.logsumexp(z, dim=-1)
     on_support = z.gather(1, ids.clamp(min=0)) - lse[:, None]
     tail_z = z.scatter(1, _pads_to_real(ids), float("-inf"))  # c·m writes, no [c, V] mask
@@ -78,6 +108,10 @@ def _chunk_forward(logits: Tensor, ids: Tensor, temperature: float):
 def _chunk_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad: Tensor, temperature: float):
     """d/dz of Σ_j g_j log π_{s_j} = (Σ_j g_j e_{s_j} − (Σ_j g_j) π) / T for one chunk."""
     probs = torch.exp(logits.to(lse.dtype) / temperature - lse[:, None])
+    return _backward_from_probs(logits, ids, probs, grad, temperature)
+
+
+def _backward_from_probs(logits: Tensor, ids: Tensor, probs: Tensor, grad: Tensor, temperature: float):
     out = (-grad.sum(dim=1, keepdim=True)) * probs
     out = out.scatter_add(1, ids.clamp(min=0), grad.to(out.dtype))
     return (out / temperature).to(logits.dtype)
@@ -87,34 +121,59 @@ class _SupportLogProb(torch.autograd.Function):
     """log π on support ids; backward recomputes softmax chunk by chunk (nothing [N, V] is saved)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, rows: int, compiled: bool | None):
+    def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, rows: int, compiled: bool | None,
+                sampling: SamplingMask | None = None, keep_on_support: Tensor | None = None):
         n = logits.shape[0]
         out_dtype = _compute_dtype(logits.dtype)
         logp = torch.empty(ids.shape, dtype=out_dtype, device=logits.device)
         lse, tail, sumsq = (torch.empty(n, dtype=out_dtype, device=logits.device) for _ in range(3))
+        count = None if sampling is None else torch.empty(n, dtype=torch.int64, device=logits.device)
         chunk_forward = maybe_compiled(_chunk_forward, compiled)
         for lo in range(0, n, rows):
             hi = min(lo + rows, n)
-            logp[lo:hi], lse[lo:hi], tail[lo:hi], sumsq[lo:hi] = chunk_forward(
-                logits[lo:hi], ids[lo:hi].long(), temperature)  # int64 per chunk: no [N, m] copy
+            chunk_ids = ids[lo:hi].long()  # int64 per chunk: no [N, m] copy
+            if sampling is None:
+                logp[lo:hi], lse[lo:hi], tail[lo:hi], sumsq[lo:hi] = chunk_forward(
+                    logits[lo:hi], chunk_ids, temperature)
+                continue
+            z, keep = _scaled(logits[lo:hi], chunk_ids, temperature, sampling,
+                              None if keep_on_support is None else keep_on_support[lo:hi])
+            logp[lo:hi], lse[lo:hi], tail[lo:hi], sumsq[lo:hi] = _forward_from_z(z, chunk_ids)
+            count[lo:hi] = _tail_count(keep, chunk_ids)
+            if keep_on_support is not None:
+                raise_at("keep_on_support", ~keep.any(dim=1), "row that keeps no token (the sampled token is "
+                         "always kept by the engine; row index)")
         _check_normalisers(logits, lse, temperature)
         logp = logp.masked_fill(ids < 0, float("-inf"))
-        ctx.save_for_backward(logits, ids, lse)
-        ctx.temperature, ctx.rows, ctx.compiled = temperature, rows, compiled
-        ctx.mark_non_differentiable(tail, sumsq)
-        return logp, tail, sumsq
+        saved = (logits, ids, lse) if keep_on_support is None else (logits, ids, lse, keep_on_support)
+        ctx.save_for_backward(*saved)
+        ctx.temperature, ctx.rows, ctx.compiled, ctx.sampling = temperature, rows, compiled, sampling
+        if count is None:
+            count = torch.empty(0, dtype=torch.int64, device=logits.device)
+        ctx.mark_non_differentiable(tail, sumsq, count)
+        return logp, tail, sumsq, count
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, _grad_tail: Tensor, _grad_sumsq: Tensor):
-        logits, ids, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp: Tensor, _grad_tail: Tensor, _grad_sumsq: Tensor, _grad_count: Tensor):
+        logits, ids, lse, *rest = ctx.saved_tensors
+        keep_on_support = rest[0] if rest else None
         grad_logits = torch.empty_like(logits)
         g = grad_logp.masked_fill(ids < 0, 0.0)
         chunk_backward = maybe_compiled(_chunk_backward, ctx.compiled)
         for lo in range(0, logits.shape[0], ctx.rows):
             hi = min(lo + ctx.rows, logits.shape[0])
-            grad_logits[lo:hi] = chunk_backward(logits[lo:hi], ids[lo:hi].long(), lse[lo:hi], g[lo:hi],
-                                                ctx.temperature)
-        return grad_logits, None, None, None, None
+            chunk_ids = ids[lo:hi].long()
+            if ctx.sampling is None:
+                grad_logits[lo:hi] = chunk_backward(logits[lo:hi], chunk_ids, lse[lo:hi], g[lo:hi], ctx.temperature)
+                continue
+            # C recomputed from the same logits: π = 0 off C, and a cut support slot (log π = −inf)
+            # passes no gradient
+            z, keep = _scaled(logits[lo:hi], chunk_ids, ctx.temperature, ctx.sampling,
+                              None if keep_on_support is None else keep_on_support[lo:hi])
+            g_chunk = g[lo:hi].masked_fill(~keep.gather(1, chunk_ids.clamp(min=0)), 0.0)
+            probs = torch.exp(z - lse[lo:hi, None])
+            grad_logits[lo:hi] = _backward_from_probs(logits[lo:hi], chunk_ids, probs, g_chunk, ctx.temperature)
+        return grad_logits, None, None, None, None, None, None
 
 
 def _check_inputs(logits: Tensor, support_ids: Tensor, temperature: float) -> None:
@@ -152,7 +211,9 @@ def _check_normalisers(logits: Tensor, lse: Tensor, temperature: float) -> None:
 
 
 def policy_on_support(logits: Tensor, support_ids: Tensor, *, temperature: float = 1.0,
-                      chunk_size: int | None = None, compiled: bool | None = None) -> PolicyOnSupport:
+                      chunk_size: int | None = None, compiled: bool | None = None,
+                      sampling: SamplingMask | None = None,
+                      keep_on_support: Tensor | None = None) -> PolicyOnSupport:
     """π = softmax(logits / T) on the support, its tail log-mass and tail sum of squares.
 
     Args:
@@ -162,35 +223,65 @@ def policy_on_support(logits: Tensor, support_ids: Tensor, *, temperature: float
         temperature: T > 0.
         chunk_size: rows per chunk (default: about 4 MiB of float32 per chunk).
         compiled: fuse each chunk's math with ``torch.compile`` (default from
-            ``PDM_LAB_COMPILE``); the same functions, tested equal to eager.
+            ``PDM_LAB_COMPILE``); the same functions, tested equal to eager. Not used with a
+            sampling mask (its sort runs eagerly).
+        sampling: the engine's sampling mask (``pdm_lab.sampling_mask``): π is renormalised over
+            the sampling set C reproduced from these parameters; None or inactive: the full softmax.
+        keep_on_support: [N, m] bool, with ``sampling``: which support tokens the engine kept
+            (``sampling_mask.engine_kept(support)``); None: every valid support token.
 
     Returns:
         PolicyOnSupport in float32 (float64 for float64 logits). Only ``logp`` carries grad.
+        With an active sampling mask, ``tail_count`` = |C ∖ S| (``sampling_mask.on_sampling_set``).
 
     Same as ``policy_on_support_reference`` up to rounding, with peak extra memory of a few
     chunks instead of [N, V].
     """
     _check_inputs(logits, support_ids, temperature)
+    sampling = _active(sampling, keep_on_support, support_ids)
     rows = _chunk_rows(logits.shape[0], logits.shape[1], chunk_size)
-    if logits.shape[0] == 0:
+    if logits.shape[0] == 0 or sampling is not None:
         compiled = False
-    logp, tail, sumsq = _SupportLogProb.apply(logits, support_ids, float(temperature), rows, compiled)
-    return PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq)
+    keep = None if sampling is None or keep_on_support is None else keep_on_support.bool()
+    logp, tail, sumsq, count = _SupportLogProb.apply(logits, support_ids, float(temperature), rows, compiled,
+                                                     sampling, keep)
+    return PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq,
+                           tail_count=None if sampling is None else count)
 
 
-def policy_on_support_reference(logits: Tensor, support_ids: Tensor, *,
-                                temperature: float = 1.0) -> PolicyOnSupport:
-    """Naive reference: a full [N, V] log-softmax, then gathers. For tests and the bench."""
+def _active(sampling: SamplingMask | None, keep_on_support: Tensor | None, support_ids: Tensor) -> SamplingMask | None:
+    """The sampling mask if it cuts (else None); checks ``keep_on_support`` against the ids."""
+    if sampling is not None and not isinstance(sampling, SamplingMask):
+        raise PDMInputError(f"sampling: expected a pdm_lab.sampling_mask.SamplingMask, got {type(sampling).__name__}")
+    if keep_on_support is not None:
+        check_tensor("keep_on_support", keep_on_support)
+        check_same(("keep_on_support", "support_ids"), keep_on_support, support_ids)
+    return sampling if sampling is not None and sampling.active else None
+
+
+def policy_on_support_reference(logits: Tensor, support_ids: Tensor, *, temperature: float = 1.0,
+                                sampling: SamplingMask | None = None,
+                                keep_on_support: Tensor | None = None) -> PolicyOnSupport:
+    """Naive reference: a full [N, V] log-softmax (over the sampling set C when given, as a
+    whole [N, V] mask), then gathers. For tests and the bench."""
     _check_inputs(logits, support_ids, temperature)
+    sampling = _active(sampling, keep_on_support, support_ids)
     ids = support_ids.long()
     z = logits.to(_compute_dtype(logits.dtype)) / temperature
     _check_normalisers(logits, torch.logsumexp(z.detach(), dim=-1), temperature)
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if sampling is not None:
+        with torch.no_grad():
+            keep = forced_keep(sampling_keep(z.detach(), sampling), ids,
+                               None if keep_on_support is None else keep_on_support.bool())
+        z = z.masked_fill(~keep, float("-inf"))
     lp = torch.log_softmax(z, dim=-1)
     logp = lp.gather(1, ids.clamp(min=0)).masked_fill(ids < 0, float("-inf"))
     outside = ~_in_support(ids, logits.shape[1])
-    tail = masked_logsumexp(lp.detach(), outside)
-    sumsq = masked_logsumexp(2.0 * lp.detach(), outside)
-    return PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq)
+    tail = masked_logsumexp(lp.detach(), outside & keep)
+    sumsq = masked_logsumexp(2.0 * lp.detach(), outside & keep)
+    count = None if sampling is None else (outside & keep).sum(dim=1)
+    return PolicyOnSupport(logp=logp, tail_logp=tail, tail_log_sumsq=sumsq, tail_count=count)
 
 
 def exact_tail_term(mu_logp_full: Tensor, pi_logp_full: Tensor, support_ids: Tensor) -> Tensor:
