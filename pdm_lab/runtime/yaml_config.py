@@ -125,9 +125,17 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
         loader.dispose()
 
 
+#: The largest config file read (a config is a few KB): ``/dev/zero`` or a log given by mistake
+#: is refused after this many bytes instead of filling the memory.
+MAX_CONFIG_BYTES = 4 << 20
+
+
 def read_yaml(path: str | Path) -> Any:
     """A YAML file by ``ConfigLoader``'s grammar; every error names the file (and the line)."""
-    raw = Path(path).read_bytes()
+    with open(path, "rb") as fh:
+        raw = fh.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB: not a config file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
