@@ -97,6 +97,11 @@ class SyntheticTaskConfig:
     length: Annotated[int, at_least(1)] = 3
     """copy/reverse/sort: digits per prompt (length − 1 to length)."""
 
+    def __post_init__(self) -> None:
+        from .tasks import TASKS
+
+        one_of("data.synthetic.name", self.name, TASKS)
+
 
 @config_dataclass("data")
 class DataConfig:
@@ -152,8 +157,9 @@ class RolloutConfig:
 
     prompts_per_step: Annotated[int, at_least(1)] = 256
     """Prompts per RL step, over all ranks (paper recipe: 256)."""
-    group_size: Annotated[int, at_least(1)] = 16
-    """G, samples per prompt (GRPO group; paper recipe: 16)."""
+    group_size: Annotated[int, at_least(2)] = 16
+    """G, samples per prompt (GRPO group; paper recipe: 16); ≥ 2, since advantages are normalised
+    within the group (one sample's advantage is always 0)."""
     temperature: Annotated[float, positive] = 1.0
     """Sampling temperature; π is computed at the same temperature (SPEC §1)."""
     top_p: Annotated[float, in_range(0.0, 1.0, low_open=True)] = 1.0
@@ -199,8 +205,8 @@ class RolloutConfig:
 class TrainerConfig:
     """FSDP2 trainer and optimiser (one PPO epoch per rollout batch, SPEC §7)."""
 
-    lr: Annotated[float, positive] = 1e-6
-    """AdamW learning rate (paper recipe: 1e-6)."""
+    lr: Annotated[float, in_range(0.0, 1.0, low_open=True)] = 1e-6
+    """AdamW learning rate (paper recipe: 1e-6); above 1 every step overshoots."""
     weight_decay: Annotated[float, non_negative] = 0.0
     """AdamW weight decay."""
     betas: Annotated[tuple[float, ...], in_range(0.0, 1.0, high_open=True)] = (0.9, 0.999)
@@ -253,6 +259,9 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         one_of("reward.on_error", self.on_error, ("skip", "error"))
+        from .verifiers import get_verifier
+
+        get_verifier(self.verifier)  # an unknown name is a ConfigError naming reward.verifier
 
 
 @config_dataclass("eval")
@@ -385,6 +394,10 @@ class TrainConfig:
         from pdm_lab.runtime.outputs import check_name
 
         check_name(self.name, "name")  # runs/<name> stays inside runs/
+        samples = self.rollout.prompts_per_step * self.rollout.group_size
+        if self.trainer.mini_batches > samples:  # an empty mini-batch is no optimiser step
+            raise ConfigError(f"trainer.mini_batches: {self.trainer.mini_batches} exceeds the samples per step "
+                              f"(rollout.prompts_per_step × rollout.group_size = {samples})")
         tiny = self.model.tiny
         if tiny is not None and self.mask.k > tiny.vocab_size:  # K tokens of a smaller vocabulary
             raise ConfigError(f"mask.k: {self.mask.k} exceeds the vocabulary (model.tiny.vocab_size = "

@@ -136,7 +136,10 @@ VERIFIERS: dict[str, Verifier] = {"math": verify_math, "exact": verify_exact}
 
 
 def get_verifier(name: str) -> Verifier:
-    """A registered verifier, or ``module:function`` imported (plugins)."""
+    """A registered verifier, or ``module:function`` imported (plugins); anything else is a
+    ``ConfigError`` naming ``reward.verifier`` and the valid choices."""
+    from pdm_lab.config import ConfigError
+
     if name in VERIFIERS:
         return VERIFIERS[name]
     if ":" in name:
@@ -144,11 +147,11 @@ def get_verifier(name: str) -> Verifier:
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as err:
-            raise ValueError(f"reward.verifier: cannot import {name!r}: {err}") from None
+            raise ConfigError(f"reward.verifier: cannot import {name!r}: {err}") from None
         if not callable(fn):
-            raise ValueError(f"reward.verifier: {name!r} is not callable")
+            raise ConfigError(f"reward.verifier: {name!r} is not callable")
         return fn
-    raise ValueError(f"reward.verifier: unknown {name!r}; valid: {', '.join(sorted(VERIFIERS))} "
+    raise ConfigError(f"reward.verifier: unknown {name!r}; valid: {', '.join(sorted(VERIFIERS))} "
                      "or module:function")
 
 
