@@ -6,7 +6,7 @@ from typing import Annotated
 import torch
 from torch import Tensor
 
-from pdm_lab.config import ConfigError, at_least, config_dataclass, non_negative, one_of  # field checks
+from pdm_lab.config import ConfigError, at_least, config_dataclass, non_negative, one_of, positive  # field checks
 
 from pdm_lab.envs.problems.prior import zipf_logits
 
@@ -23,13 +23,13 @@ class BanditConfig:
     """P independent one-state bandits (prompts); 1 gives the classic single-state bandit."""
     reward: str = "one_correct"
     """one of REWARD_KINDS."""
-    num_correct: int = 3
+    num_correct: Annotated[int, at_least(1)] = 3
     """correct tokens per prompt for ``few_correct``."""
-    correct_rank: int = 4
+    correct_rank: Annotated[int, at_least(1)] = 4
     """initial-policy rank of the (first) correct token: sets the starting success rate."""
-    temperature: float = 1.0
+    temperature: Annotated[float, positive] = 1.0
     """Zipf temperature τ of the initial logits (tail mass: larger τ, heavier tail)."""
-    temperature_spread: float = 2.0
+    temperature_spread: Annotated[float, at_least(1.0)] = 2.0
     """per-prompt τ drawn log-uniformly in [τ/spread, τ·spread]: peaked and flat prompts side by
     side, as an LLM's positions (n = 1000, K = 20: tail mass from ~3% to ~88%); 1 = all equal."""
     reward_noise: Annotated[float, non_negative] = 1.0

@@ -63,9 +63,10 @@ class TokenMDPConfig:
     (prompt and prefix) mod R, so the pretrained distribution depends on the prefix as an LLM's."""
     eos_top_fraction: Annotated[float, in_range(0.0, 1.0)] = 1.0
     """fraction of prior rows whose favourite token is EOS (the rest rank it at random)."""
-    logit_offset: float = 0.0
+    logit_offset: Annotated[float, in_range(-1e4, 1e4)] = 0.0
     """LLM-like logit level: row r is shifted by offset·(0.5 + u_r); softmax-invariant, but a
-    low-precision engine rounds at that magnitude."""
+    low-precision engine rounds at that magnitude (LLM logits are tens; beyond 10⁴ float32's
+    log-softmax has no digit left)."""
     prior_seed: int = 0
     """seed of the prior's permutations."""
 

@@ -17,10 +17,11 @@ import torch
 
 from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import unsafe_keep_rates
-from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, one_of, positive  # field checks
+from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, one_of  # field checks
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.metrics import MetricSums, as_mismatch, finalize_floats, merge_metrics, metric, step_metric_sums
 from pdm_lab.runtime.evidence import collapse_window
+from pdm_lab.runtime.memory import check_memory
 
 from pdm_lab.envs.problems.mismatch import Mismatch
 from pdm_lab.envs.policies.models import POLICY_KINDS, make_policy
@@ -31,6 +32,11 @@ from pdm_lab.masks import outside_region
 from pdm_lab.envs.train.update import current_stats, masked_loss, token_batch
 
 OPTIMIZERS = ("adam", "sgd")
+#: The largest learning rate accepted (the collapse study's SGD runs use 10).
+MAX_LR = 1e4
+#: Bytes per (token, vocabulary entry) a step holds at least: μ's and π's log-probabilities and
+#: probabilities in float32 (the memory estimate that refuses a batch this machine cannot hold).
+BYTES_PER_LOGIT = 16
 #: a smaller fall of the smoothed reward is not a collapse, whatever its fraction (batch noise)
 COLLAPSE_MIN_LOSS = 0.05
 
@@ -60,14 +66,14 @@ class TrainConfig:
     """μ's mismatch, e.g. ``noise:0.5`` or ``fp8_e4m3_weights:0+stale:4`` (see ``mismatch``)."""
     optimizer: str = "adam"
     """``adam`` or ``sgd``."""
-    lr: Annotated[float, positive] = 0.05
-    """learning rate."""
+    lr: Annotated[float, in_range(0.0, MAX_LR, low_open=True)] = 0.05
+    """learning rate (beyond ``MAX_LR`` the first step leaves every float range)."""
     steps: Annotated[int, at_least(1)] = 40
     """rollout batches (GRPO steps)."""
     groups_per_step: Annotated[int, at_least(1)] = 32
     """prompts per rollout batch."""
-    group_size: Annotated[int, at_least(1)] = 16
-    """G, responses per prompt."""
+    group_size: Annotated[int, at_least(2)] = 16
+    """G, responses per prompt; ≥ 2, since advantages are normalised within the group."""
     epochs: Annotated[int, at_least(1)] = 1
     """E, passes over each rollout batch."""
     minibatches: Annotated[int, at_least(1)] = 1
@@ -88,7 +94,18 @@ class TrainConfig:
         one_of("policy", self.policy, POLICY_KINDS)
         if self.eval_sequences < 1:
             raise ConfigError(f"eval_sequences: must be ≥ 1, got {self.eval_sequences}")
-        Mismatch.parse(self.mismatch)  # validate early
+        mismatch = Mismatch.parse(self.mismatch)  # validate early
+        sequences = self.groups_per_step * self.group_size
+        for name, value in (("minibatches", self.minibatches), (f"mismatch {self.mismatch} (stale steps)",
+                                                                mismatch.stale_steps)):
+            if value > sequences:  # an empty mini-batch is no optimiser step
+                raise ConfigError(f"{name}: {value} exceeds the sequences per step (groups_per_step × "
+                                  f"group_size = {sequences})")
+        horizon = 1 if self.problem.kind == "bandit" else self.problem.token_mdp.max_len
+        per_row = BYTES_PER_LOGIT * horizon * self.problem.vocab_size  # one sequence's [L, n] passes
+        check_memory(per_row * sequences, f"groups_per_step × group_size = {self.groups_per_step:g} × "
+                     f"{self.group_size} sequences of {horizon} tokens over n = {self.problem.vocab_size}")
+        check_memory(per_row * self.eval_sequences, f"eval_sequences = {self.eval_sequences:g}")
 
 
 def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
