@@ -93,8 +93,8 @@ class AuditConfig:
     """seeds are first_seed, first_seed + 1, …"""
     sequences: Annotated[int, at_least(1)] = 1024
     """sequences per batch (paper: 1024)."""
-    group_size: Annotated[int, at_least(1)] = 16
-    """G, sequences per prompt."""
+    group_size: Annotated[int, at_least(2)] = 16
+    """G, sequences per prompt; ≥ 2, since advantages are normalised within the group."""
     delta: Annotated[float, non_negative] = 0.15
     """δ (paper: 0.15)."""
     k: Annotated[int, at_least(1)] = 20
@@ -152,9 +152,9 @@ class AuditConfig:
         if self.stress_mismatch:
             Mismatch.parse(self.stress_mismatch)
         if self.sequences % self.group_size:
-            raise ValueError(f"sequences ({self.sequences}) must be a multiple of group_size ({self.group_size})")
+            raise ConfigError(f"sequences ({self.sequences}) must be a multiple of group_size ({self.group_size})")
         if not self.contexts or any(c not in CONTEXTS for c in self.contexts):
-            raise ValueError(f"contexts: each of {', '.join(CONTEXTS)}, got {list(self.contexts)}")
+            raise ConfigError(f"contexts: each of {', '.join(CONTEXTS)}, got {list(self.contexts)}")
         one_of("optimizer", self.optimizer, OPTIMIZERS)
         if not self.audit_at or any(s < 0 for s in self.audit_at) or list(self.audit_at) != sorted(set(self.audit_at)):
             raise ConfigError(f"audit_at: training steps ≥ 0 in increasing order, got {list(self.audit_at)}")
