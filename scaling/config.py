@@ -166,6 +166,12 @@ class RolloutConfig:
     """Nucleus sampling (1.0: off). Cut tokens come back as −inf processed log-probs."""
     top_k: Annotated[int, at_least(-1)] = -1
     """Top-k sampling (−1: off)."""
+    min_p: Annotated[float, in_range(0.0, 1.0)] = 0.0
+    """Min-p sampling (0: off)."""
+    keep_sampling_mask: bool | None = None
+    """π over the tokens the engine could sample (its top-k/top-p/min-p cut reproduced on the
+    trainer's logits), renormalised, so the cut is no mismatch (SPEC §1, ``pdm_lab.sampling_mask``);
+    None: on whenever one of those cuts is set."""
     max_tokens: Annotated[int, at_least(1)] = 8192
     """Response budget."""
     precision: str = "fp32"
@@ -199,6 +205,16 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         one_of("rollout.precision", self.precision, PRECISIONS)
         one_of("rollout.fp8_mode", self.fp8_mode, ("simulate", "native"))
+        if self.keep_sampling_mask not in (None, True, False):
+            raise ConfigError(f"rollout.keep_sampling_mask: true, false or null, got {self.keep_sampling_mask!r}")
+
+    @property
+    def sampling_mask(self):
+        """The ``SamplingMask`` the trainer applies to π, or None (kept off, or nothing cut)."""
+        from pdm_lab.sampling_mask import SamplingMask
+
+        mask = SamplingMask(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        return mask if mask.active and self.keep_sampling_mask is not False else None
 
 
 @config_dataclass("trainer")

@@ -33,7 +33,7 @@ def evaluate(llm, eval_sets: dict, tokenizer, verifier, cfg, *, step: int, dp_ra
         counted = [True] * len(mine) + [False] * (per_rank - len(mine))
         mine = mine + [mine[0] if mine else 0] * (per_rank - len(mine))
         params = [sampling_params(n=k, temperature=ecfg.temperature, top_p=cfg.rollout.top_p,
-                                  top_k=cfg.rollout.top_k, max_tokens=max_tokens, logprobs=None,
+                                  top_k=cfg.rollout.top_k, min_p=cfg.rollout.min_p, max_tokens=max_tokens, logprobs=None,
                                   seed=request_seed(cfg.seed, "eval", name, step, i),
                                   stop_token_ids=stop_token_ids) for i in mine]
         outputs = generate(llm, [list(rows[i].prompt_ids) for i in mine], params)

@@ -147,7 +147,7 @@ def roll_out(run: Run, rows: list, first: int, step: int):
     """``group_size`` responses per prompt from the engine, with μ's top-K log-probs."""
     cfg = run.cfg
     r = cfg.rollout
-    params = [sampling_params(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+    params = [sampling_params(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                               max_tokens=r.max_tokens, logprobs=cfg.mask.k,
                               seed=request_seed(cfg.seed, r.seed, "train", step, first + j),
                               stop_token_ids=run.stops) for j in range(len(rows))]

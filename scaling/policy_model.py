@@ -23,12 +23,13 @@ PREFIX = "lm."  # parameter-name prefix the wrapper adds to the HF names
 
 
 def _support_chunk(h: Tensor, weight: Tensor, ids: Tensor, temperature: float,
-                   head_dtype: torch.dtype | None = None):
+                   head_dtype: torch.dtype | None = None, sampling=None, keep_on_support: Tensor | None = None):
     if head_dtype is not None:  # the audit's measurement: lm_head and the softmax in float64
         h, weight = h.to(head_dtype), weight.to(head_dtype)
     logits = h @ weight.t()  # [c, V] in the compute dtype
-    pi = policy_on_support(logits, ids, temperature=temperature)
-    return pi.logp, pi.tail_logp, pi.tail_log_sumsq
+    pi = policy_on_support(logits, ids, temperature=temperature, sampling=sampling, keep_on_support=keep_on_support)
+    out = (pi.logp, pi.tail_logp, pi.tail_log_sumsq)
+    return out if pi.tail_count is None else (*out, pi.tail_count)
 
 
 class PolicyModel(nn.Module):
@@ -44,7 +45,8 @@ class PolicyModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
                 support_ids: Tensor, temperature: float, chunk_tokens: int | None = None,
-                head_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                head_dtype: torch.dtype | None = None, sampling=None,
+                keep_on_support: Tensor | None = None) -> tuple[Tensor, ...]:
         """π on the support at selected positions.
 
         Args:
@@ -57,20 +59,23 @@ class PolicyModel(nn.Module):
             chunk_tokens: rows per lm_head chunk, recomputed in backward (None: one pass).
             head_dtype: cast the hidden states and lm_head to this dtype first (None: the
                 compute dtype); the direction audit measures D with float64.
+            sampling, keep_on_support: the engine's sampling mask (``policy_on_support``).
 
         Returns:
             (logp [N, m] differentiable, tail_logp [N], tail_log_sumsq [N]): the fields of
-            ``PolicyOnSupport``, as a tuple so FSDP sees the tensors it must hook for backward.
+            ``PolicyOnSupport``, as a tuple so FSDP sees the tensors it must hook for backward;
+            with an active sampling mask also tail_count [N] (t = |C ∖ S|).
         """
         hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1])[positions]  # [N, H]
         weight = self.lm.lm_head.weight
         if chunk_tokens is None or h.shape[0] <= chunk_tokens:
-            return _support_chunk(h, weight, support_ids, temperature, head_dtype)
-        parts = [checkpoint(_support_chunk, h[i:i + chunk_tokens], weight,
-                            support_ids[i:i + chunk_tokens], temperature, head_dtype, use_reentrant=False)
+            return _support_chunk(h, weight, support_ids, temperature, head_dtype, sampling, keep_on_support)
+        rows = lambda x, i: None if x is None else x[i:i + chunk_tokens]  # noqa: E731
+        parts = [checkpoint(_support_chunk, h[i:i + chunk_tokens], weight, support_ids[i:i + chunk_tokens],
+                            temperature, head_dtype, sampling, rows(keep_on_support, i), use_reentrant=False)
                  for i in range(0, h.shape[0], chunk_tokens)]
-        return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
+        return tuple(torch.cat([p[j] for p in parts]) for j in range(len(parts[0])))
 
 
 def load_lm(model_dir: str, *, seed: int):

@@ -190,11 +190,13 @@ def outputs_to_batch(outputs, prompt_ids: list[list[int]], answers: list[str], *
 
 
 def sampling_params(*, n: int, temperature: float, top_p: float, top_k: int, max_tokens: int,
-                    logprobs: int | None, seed: int, stop_token_ids: list[int]):
-    """SamplingParams for rollouts: token ids only (no detokenisation), flat log-probs."""
+                    logprobs: int | None, seed: int, stop_token_ids: list[int], min_p: float = 0.0):
+    """SamplingParams for rollouts: token ids only (no detokenisation), flat log-probs. The
+    top-k/top-p/min-p cut is what ``rollout.keep_sampling_mask`` reproduces on the trainer
+    (``pdm_lab.sampling_mask``, vLLM's order and comparisons)."""
     from vllm import SamplingParams
 
-    return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+    return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           max_tokens=max_tokens, logprobs=logprobs, seed=seed, detokenize=False,
                           flat_logprobs=True, stop_token_ids=stop_token_ids,
                           skip_special_tokens=True)

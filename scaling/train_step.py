@@ -24,7 +24,8 @@ from pdm_lab.loss import LossOutput, pdm_policy_loss
 from pdm_lab.metrics import MetricSums, all_reduce_metrics, as_mismatch, finalize_floats, merge_metrics, metric
 from pdm_lab.padding import policy_with_padding_rows
 from pdm_lab.policy_side import PolicyOnSupport
-from pdm_lab.support import support_from_topk
+from pdm_lab.sampling_mask import SamplingMask, engine_kept, on_sampling_set
+from pdm_lab.support import Support, support_from_topk
 
 from .coupled_fd import coupled_for_minibatch
 from .policy_model import DTYPES
@@ -100,25 +101,40 @@ def micro_batch_support(mb: MicroBatch, mask_cfg, vocab_size: int):
 
 
 def micro_batch_policy(policy, mb: MicroBatch, support, temperature: float,
-                       chunk_tokens: int | None) -> PolicyOnSupport:
+                       chunk_tokens: int | None, sampling: SamplingMask | None = None) -> PolicyOnSupport:
     """π on the support for every [b·T] row: computed on response rows, padding rows set equal to
-    the (trivial) μ row so they carry no divergence and no gradient."""
+    the (trivial) μ row so they carry no divergence and no gradient. With the engine's sampling
+    mask (``rollout.keep_sampling_mask``), π over the sampling set, the engine's own cut on S
+    (``pdm_lab.sampling_mask``), and ``tail_count`` = |C ∖ S| (padding rows: the support's)."""
     valid = mb.response_mask.reshape(-1).nonzero(as_tuple=True)[0]
-    logp_v, tail_v, sumsq_v = policy(mb.input_ids, mb.attention_mask, mb.positions,
-                                     support.ids[valid], temperature, chunk_tokens)
-    return policy_with_padding_rows(support, valid, PolicyOnSupport(logp=logp_v, tail_logp=tail_v,
-                                                                    tail_log_sumsq=sumsq_v))
+    extra = {} if sampling is None else {"sampling": sampling, "keep_on_support": engine_kept(support)[valid]}
+    out = policy(mb.input_ids, mb.attention_mask, mb.positions, support.ids[valid], temperature, chunk_tokens,
+                 **extra)
+    pi = policy_with_padding_rows(support, valid, PolicyOnSupport(logp=out[0], tail_logp=out[1],
+                                                                  tail_log_sumsq=out[2]))
+    if len(out) == 4:
+        pi = dataclasses.replace(pi, tail_count=support.tail_count.index_put((valid,), out[3]))
+    return pi
+
+
+def policy_and_support(policy, mb: MicroBatch, support: Support, temperature: float, chunk_tokens: int | None,
+                       sampling: SamplingMask | None = None) -> tuple[PolicyOnSupport, Support]:
+    """π on the support and the support whose tail is counted inside the sampling set
+    (``sampling_mask.on_sampling_set``; unchanged without a sampling mask)."""
+    pi = micro_batch_policy(policy, mb, support, temperature, chunk_tokens, sampling)
+    return pi, on_sampling_set(support, pi.tail_count)
 
 
 def micro_batch_loss(policy, mb: MicroBatch, mask_cfg, *, vocab_size: int, temperature: float,
                      chunk_tokens: int | None, dp: DPInfo | None = None, coupled: Tensor | None = None,
-                     ) -> tuple[LossOutput, float]:
-    """The loop's loss path for one micro-batch: μ's support, π on it, the core's loss (this
-    micro-batch's share of the mini-batch's aggregate, `dp`). Also returns the seconds spent in
-    the support and π (the rest is the loss's)."""
+                     sampling: SamplingMask | None = None) -> tuple[LossOutput, float]:
+    """The loop's loss path for one micro-batch: μ's support, π on it (over the engine's
+    sampling set when `sampling` is given), the core's loss (this micro-batch's share of the
+    mini-batch's aggregate, `dp`). Also returns the seconds spent in the support and π (the rest
+    is the loss's)."""
     t0 = time.perf_counter()
-    support = micro_batch_support(mb, mask_cfg, vocab_size)
-    pi = micro_batch_policy(policy, mb, support, temperature, chunk_tokens)
+    pi, support = policy_and_support(policy, mb, micro_batch_support(mb, mask_cfg, vocab_size), temperature,
+                                     chunk_tokens, sampling)
     t1 = time.perf_counter()
     return pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=coupled, dp=dp), t1 - t0
 
@@ -182,7 +198,8 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
             t0 = time.perf_counter()
             out, t_policy = micro_batch_loss(policy, mb, mask_cfg, vocab_size=vocab_size,
                                              temperature=cfg.rollout.temperature,
-                                             chunk_tokens=tcfg.logits_chunk_tokens, dp=dp, coupled=c)
+                                             chunk_tokens=tcfg.logits_chunk_tokens, dp=dp, coupled=c,
+                                             sampling=getattr(cfg.rollout, "sampling_mask", None))
             t2 = time.perf_counter()
             out.loss.backward()
             t3 = time.perf_counter()
