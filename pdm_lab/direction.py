@@ -43,8 +43,9 @@ def register_ddot_estimator(name: str) -> Callable[[TailEstimator], TailEstimato
     """Decorator: register a tail-term estimator under `name`.
 
     Estimators registered after ``pdm_lab.masks`` is imported get their mask rule with
-    ``register_mask(f"pdm_{name}")(pdm_rule(name))`` (``pdm_lab.masks``), whose record reads the
-    estimator off the rule: Ḋ_name is what it reads.
+    ``register_mask("pdm_<name>", like="pdm_topk", estimator="<name>")(pdm_rule("<name>"))``
+    (``pdm_lab.masks``): its record declares the estimator, and registration checks that Ḋ_name
+    is what the rule reads.
     """
     def wrap(fn: TailEstimator) -> TailEstimator:
         if name in DDOT_ESTIMATORS:

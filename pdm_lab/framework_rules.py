@@ -13,8 +13,8 @@
 
 k1 = log r, k2 = ½(log r)², k3 = (r − 1) − log r, from ``stats.log_ratio`` (never from a rounded r).
 A sequence rule's drop function takes the [B, T] response mask as a fourth argument (the
-registry passes it for ``level="sequence"``); Â = 0 keeps, as for every rule. ``uses_delta=False``
-is declared (and checked against the reads) where a rule's own threshold could be mistaken for δ.
+registry passes it for ``level="sequence"``); Â = 0 keeps, as for every rule. Each rule's record
+is declared at its registration (``pdm_lab.rule_record``); the band and OPSM thresholds are not δ.
 """
 from __future__ import annotations
 
@@ -100,24 +100,46 @@ def mask_ppo_clip_dual(stats: "TokenStats", advantages: Tensor, cfg: Any) -> Ten
     return clip | ((advantages < 0) & (r > cfg.dual_clip_c))
 
 
-def _sequence_band_rule(statistic: str, fixed_agg: str | None):
-    def rule(stats, advantages, cfg, response_mask):
-        how = fixed_agg or cfg.seq_agg
-        seq = per_sequence(k_statistic(stats, statistic), response_mask, how)
-        drop = outside_band(seq, cfg) | veto(stats, response_mask, cfg)
-        return _broadcast(drop, advantages, response_mask)
-    agg = fixed_agg or "seq_agg (mean/max/sum)"
-    rule.__doc__ = (f"Sequence rejection (verl rollout correction): drop a response whose {agg} of "
-                    f"{statistic} over its tokens is outside [band_low, band_high], or vetoed.")
-    return rule
+def sequence_band_drop(statistic: str, how: str, stats: "TokenStats", advantages: Tensor, cfg: Any,
+                       response_mask: Tensor) -> Tensor:
+    """Drop a response whose ``how`` (mean/max/sum) of ``statistic`` over its tokens lies outside
+    [band_low, band_high], or that the veto drops."""
+    seq = per_sequence(k_statistic(stats, statistic), response_mask, how)
+    drop = outside_band(seq, cfg) | veto(stats, response_mask, cfg)
+    return _broadcast(drop, advantages, response_mask)
 
 
-for _stat in BAND_STATISTICS:  # records from the reads: seq_topk_kl reads D (and so the support)
-    register_mask(f"seq_{_stat}", level="sequence", uses_delta=False)(_sequence_band_rule(_stat, None))
-register_mask("seq_geo_mean", level="sequence", uses_delta=False)(_sequence_band_rule("k1", "mean"))
+@register_mask("seq_k1", level="sequence")
+def mask_seq_k1(stats, advantages, cfg, response_mask):
+    """Sequence rejection (verl rollout correction): seq_agg of k1 = log r outside the band, or vetoed."""
+    return sequence_band_drop("k1", cfg.seq_agg, stats, advantages, cfg, response_mask)
 
 
-@register_mask("opsm", level="sequence", uses_delta=False)
+@register_mask("seq_k2", level="sequence")
+def mask_seq_k2(stats, advantages, cfg, response_mask):
+    """Sequence rejection (verl rollout correction): seq_agg of k2 = ½(log r)² outside the band, or vetoed."""
+    return sequence_band_drop("k2", cfg.seq_agg, stats, advantages, cfg, response_mask)
+
+
+@register_mask("seq_k3", level="sequence")
+def mask_seq_k3(stats, advantages, cfg, response_mask):
+    """Sequence rejection (verl rollout correction): seq_agg of k3 = (r−1) − log r outside the band, or vetoed."""
+    return sequence_band_drop("k3", cfg.seq_agg, stats, advantages, cfg, response_mask)
+
+
+@register_mask("seq_topk_kl", divergence="topk_kl", support="topk", uses_k=True, level="sequence")
+def mask_seq_topk_kl(stats, advantages, cfg, response_mask):
+    """Sequence rejection (verl rollout correction): seq_agg of the top-K KL D outside the band, or vetoed."""
+    return sequence_band_drop("topk_kl", cfg.seq_agg, stats, advantages, cfg, response_mask)
+
+
+@register_mask("seq_geo_mean", level="sequence")
+def mask_seq_geo_mean(stats, advantages, cfg, response_mask):
+    """Geometric-mean ratio test (verl): the mean of k1 over a response outside the band, or vetoed."""
+    return sequence_band_drop("k1", "mean", stats, advantages, cfg, response_mask)
+
+
+@register_mask("opsm", level="sequence")
 def mask_opsm(stats, advantages, cfg, response_mask):
     """OPSM (slime): drop a response with Â<0 whose mean of log μ_k − log π_k exceeds opsm_delta."""
     seq_kl = per_sequence(-stats.log_ratio, response_mask, "mean")
@@ -125,15 +147,28 @@ def mask_opsm(stats, advantages, cfg, response_mask):
     return _broadcast(drop, advantages, response_mask)
 
 
-def _token_band_rule(statistic: str):
-    def rule(stats, advantages, cfg):
-        return outside_band(k_statistic(stats, statistic), cfg) & (advantages != 0)
-    rule.__doc__ = f"Token rejection (verl token_{statistic}): drop {statistic} ∉ [band_low, band_high]."
-    return rule
+def token_band_drop(statistic: str, stats: "TokenStats", advantages: Tensor, cfg: Any) -> Tensor:
+    """Drop a token whose ``statistic`` lies outside [band_low, band_high] (Â = 0 kept)."""
+    return outside_band(k_statistic(stats, statistic), cfg) & (advantages != 0)
 
 
-for _stat in ("k1", "k2", "k3"):
-    register_mask(f"token_{_stat}", uses_delta=False)(_token_band_rule(_stat))
+@register_mask("token_k1")
+def mask_token_k1(stats, advantages, cfg):
+    """Token rejection (verl token_k1): drop log r ∉ [band_low, band_high]."""
+    return token_band_drop("k1", stats, advantages, cfg)
+
+
+@register_mask("token_k2")
+def mask_token_k2(stats, advantages, cfg):
+    """Token rejection (verl token_k2): drop ½(log r)² ∉ [band_low, band_high]."""
+    return token_band_drop("k2", stats, advantages, cfg)
+
+
+@register_mask("token_k3")
+def mask_token_k3(stats, advantages, cfg):
+    """Token rejection (verl token_k3): drop (r−1) − log r ∉ [band_low, band_high]."""
+    return token_band_drop("k3", stats, advantages, cfg)
+
 
 #: Rules whose decision reads the band (``band_low``/``band_high``): config checks one is set.
 BAND_RULES = tuple(f"seq_{s}" for s in BAND_STATISTICS) + ("seq_geo_mean", "token_k1", "token_k2", "token_k3")

@@ -1,18 +1,19 @@
 """The mask-rule registry (SPEC §4). M = 1 keeps a token's gradient, 0 drops it.
 
-A rule is a record (``MaskRule``): its name, the divergence it thresholds, the Ḋ estimator that
-decides its direction (or none), whether it reads δ, the reduced support and DPPO's binary
-divergences (computed only for the rules that read them), and its drop function
-``(stats, advantages, cfg) -> [N] bool``. Stages ask the record; nothing parses rule names.
+A rule is a record (``MaskRule``): its name, its drop function ``(stats, advantages, cfg) ->
+[N] bool``, and the facts stages ask instead of parsing names — the divergence it thresholds,
+the Ḋ estimator that decides its direction, its support (μ's top-K, or the sampled token's one
+slot), whether it reads δ, whether its drops change with K, its level, the inputs it needs and
+DPPO's binary divergences (``pdm_lab.rule_record``). Adding a rule is one decorated function
+whose keywords declare its record (docs/rules.md)::
 
-The record cannot disagree with its function: ``register_mask`` runs the function once on a
-probe (``RuleProbe``) that notes every statistic and every config field it reads, derives the
-record from those reads, and refuses a declared fact the reads contradict. Adding a rule is one
-decorated function and one test::
-
-    @register_mask("my_rule")                      # record: topk_kl, estimator topk, δ, support
+    @register_mask("my_rule", divergence="topk_kl", estimator="topk", support="topk",
+                   uses_delta=True, uses_k=True)
     def my_rule(stats, advantages, cfg):
         return outside_region(stats.topk_kl, advantages, cfg) & (advantages * stats.ddot["topk"] > 0)
+
+``register_mask`` runs the function over a varied probe set (``pdm_lab.rule_probe``) and refuses
+a declaration that what it reads, or how its drops move with K, contradicts.
 
 Masks are constants in the gradient (no grad), and Â = 0 or a zero direction always keeps the
 token (every outward test below is a strict inequality).
@@ -25,38 +26,49 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .direction import DDOT_ESTIMATORS
 from .errors import PDMInputError, check_same, raise_at
-from .rule_probe import DIVERGENCES, LEVELS, DropFn, RuleProbe, arity_level, facts_from_reads, probe_reads
+from .rule_probe import DropFn, RuleProbe, RuleRecordError, observe, signature_level
+from .rule_record import DIVERGENCES, FIELDS, check_declaration, check_level, resolve_declaration
 from .stats import TokenStats
 
-__all__ = ["DIVERGENCES", "DropFn", "MASK_RULES", "MaskRule", "RuleProbe", "compute_mask", "get_mask_rule",
-           "outside_region", "pdm_rule", "predictive_outward", "ratio_outward", "register_mask"]
+__all__ = ["DIVERGENCES", "DropFn", "MASK_RULES", "MaskRule", "RuleProbe", "RuleRecordError", "compute_mask",
+           "get_mask_rule", "outside_region", "pdm_rule", "predictive_outward", "ratio_outward", "register_mask"]
 
 
 @dataclass(frozen=True)
 class MaskRule:
-    """One registered rule and the facts about it that stages, metrics and reports need, each
-    derived from what its drop function reads (``register_mask``)."""
+    """One registered rule and its declared record (``pdm_lab.rule_record`` says how each field
+    is checked at registration)."""
 
     name: str
     drop: DropFn
     """``(stats, advantages, cfg) -> [N] bool`` drop tensor (cfg: a ``MaskConfig``)."""
     divergence: str | None = None
-    """the ``TokenStats`` divergence the rule reads (``topk_kl``, …), or None (no trust region)."""
+    """the ``TokenStats`` divergence the rule thresholds (``topk_kl``, …), or None (no trust region)."""
     estimator: str | None = None
     """the Ḋ estimator whose sign decides the direction (``pdm_*``), or None (ratio test / none)."""
+    support: str = "slot"
+    """``topk``: reads μ's reduced top-K support; ``slot``: the sampled token's one slot decides."""
     uses_delta: bool = False
     """reads δ (and δ_neg): a sweep over δ is meaningful for this rule."""
-    uses_support: bool = False
-    """reads the reduced top-K support (K and the convention change its decisions)."""
+    uses_k: bool = False
+    """its drops change with K or the convention: a sweep over them is meaningful."""
     level: str = "token"
     """``token`` or ``sequence`` (drops whole responses; sees the [B, T] layout)."""
     needs: tuple[str, ...] = ()
-    """inputs beyond token stats: ``full`` (full distributions), ``coupled`` (c_t from the stage)."""
+    """inputs beyond token stats: ``full`` (full distributions), ``coupled`` (c_t from the model)."""
     binary_stats: bool = False
     """reads ``stats.binary_kl`` / ``binary_tv``: ``pdm_policy_loss`` computes them only then."""
     doc: str = ""
+
+    @property
+    def uses_support(self) -> bool:
+        """Reads μ's top-K support (``support == "topk"``): the top-K path, never the one slot."""
+        return self.support == "topk"
+
+    def record(self) -> dict[str, Any]:
+        """The declared record, as ``register_mask``'s keywords."""
+        return {field: getattr(self, field) for field in FIELDS}
 
     def __call__(self, stats: TokenStats, advantages: Tensor, cfg: Any) -> Tensor:
         return self.drop(stats, advantages, cfg)
@@ -65,54 +77,39 @@ class MaskRule:
 MASK_RULES: dict[str, MaskRule] = {}
 
 
-_DERIVE: Any = object()  # a keyword left out of register_mask: the fact comes from the reads
+_LEFT_OUT: Any = object()  # a keyword left out of register_mask: ``like``'s value, else the default
 
 
-def register_mask(name: str, *, divergence: str | None = _DERIVE, estimator: str | None = _DERIVE,
-                  uses_delta: bool = _DERIVE, uses_support: bool = _DERIVE, level: str = _DERIVE,
-                  needs: tuple[str, ...] = _DERIVE, binary_stats: bool = _DERIVE) -> Callable[[DropFn], DropFn]:
-    """Decorator: register a drop function under `name`, its record derived from what it reads.
+def register_mask(name: str, *, like: str | None = None, divergence: str | None = _LEFT_OUT,
+                  estimator: str | None = _LEFT_OUT, support: str = _LEFT_OUT, uses_delta: bool = _LEFT_OUT,
+                  uses_k: bool = _LEFT_OUT, level: str = _LEFT_OUT, needs: tuple[str, ...] = _LEFT_OUT,
+                  binary_stats: bool | None = _LEFT_OUT) -> Callable[[DropFn], DropFn]:
+    """Decorator: register a drop function under ``name`` with the record its keywords declare.
 
-    The function is called once here, on a probe (``RuleProbe``, six tokens, under two configs):
-    the ``TokenStats`` fields, Ḋ estimators and δ it reads give ``divergence``, ``estimator``,
-    ``uses_delta``, ``uses_support``, ``needs`` and ``binary_stats``; its signature gives
-    ``level`` (a fourth argument, the [B, T] response mask: ``sequence``). A keyword given here
-    is a declaration and must equal what the reads give: a rule that reads a statistic its
-    declaration leaves out (or declares one it never reads) is refused with ``ValueError``. A
-    read that only a branch the probe does not take makes is not seen.
+    A keyword left out declares ``like``'s value (another registered rule's record, for a rule
+    that delegates to it), else its default (``rule_record.DEFAULTS``: no divergence, no
+    estimator, the one slot, no δ, no K, token level, nothing more; ``binary_stats`` follows the
+    divergence). The function is then run over the probe set (``rule_probe``): its signature
+    must match ``level``, and what it reads and how its drops move with K must match every
+    other field; a mismatch is refused with ``RuleRecordError`` (a ``ValueError``), one line
+    naming the rule and the field.
     """
-    declared = {key: value for key, value in (
-        ("divergence", divergence), ("estimator", estimator), ("uses_delta", uses_delta),
-        ("uses_support", uses_support), ("needs", needs), ("binary_stats", binary_stats),
-    ) if value is not _DERIVE}
-    if "needs" in declared:
-        declared["needs"] = tuple(declared["needs"])
-    if declared.get("divergence") not in (None, *DIVERGENCES):
-        raise ValueError(f"rule {name!r}: divergence must be one of {DIVERGENCES}, got {divergence!r}")
-    if declared.get("estimator") not in (None, *DDOT_ESTIMATORS):
-        raise ValueError(f"rule {name!r}: unknown Ḋ estimator {estimator!r}")
-    if level is not _DERIVE and level not in LEVELS:
-        raise ValueError(f"rule {name!r}: level must be 'token' or 'sequence', got {level!r}")
+    keywords = {"divergence": divergence, "estimator": estimator, "support": support, "uses_delta": uses_delta,
+                "uses_k": uses_k, "level": level, "needs": needs, "binary_stats": binary_stats}
+    given = {key: value for key, value in keywords.items() if value is not _LEFT_OUT}
+    if like is not None and like not in MASK_RULES:
+        raise RuleRecordError(f"rule {name!r}: like: {like!r} is not a registered rule; valid: "
+                              f"{', '.join(sorted(MASK_RULES))}")
+    base = MASK_RULES[like].record() if like is not None else None
+    declared = resolve_declaration(name, given, base)
+    said = set(given) | (set(FIELDS) if like is not None else set())
 
     def wrap(fn: DropFn) -> DropFn:
         if name in MASK_RULES:
-            raise ValueError(f"mask rule {name!r} is already registered")
-        by_signature = arity_level(name, fn)
-        if level is not _DERIVE and by_signature not in (None, level):
-            raise ValueError(f"rule {name!r}: declares level={level!r}, but its function's signature is "
-                             f"a {by_signature}-level rule's")
-        rule_level = by_signature if level is _DERIVE else level
-        if rule_level is None:
-            raise ValueError(f"rule {name!r}: its signature does not say its level: declare level=")
-        stats_reads, cfg_reads = probe_reads(name, fn, rule_level)
-        facts = facts_from_reads(name, stats_reads, cfg_reads)
-        for key, value in declared.items():
-            if value != facts[key]:
-                read = ", ".join(sorted(stats_reads | {f"cfg.{c}" for c in cfg_reads})) or "nothing"
-                raise ValueError(f"rule {name!r}: declares {key}={value!r}, but its function reads {read}, "
-                                 f"which makes {key}={facts[key]!r}; declare that, or leave {key} out")
-        MASK_RULES[name] = MaskRule(name=name, drop=fn, level=rule_level, doc=(fn.__doc__ or "").strip(),
-                                    **facts)
+            raise RuleRecordError(f"rule {name!r}: name: already registered")
+        check_level(name, declared["level"], signature_level(name, fn), said)
+        check_declaration(name, declared, said, observe(name, fn, declared["level"]))
+        MASK_RULES[name] = MaskRule(name=name, drop=fn, doc=(fn.__doc__ or "").strip(), **declared)
         return fn
     return wrap
 
@@ -183,29 +180,73 @@ def mask_ppo_clip(stats: TokenStats, advantages: Tensor, cfg: Any) -> Tensor:
     return ((advantages > 0) & (r > 1 + cfg.eps_high)) | ((advantages < 0) & (r < 1 - cfg.eps_low))
 
 
-def _dppo_rule(divergence: str, title: str) -> DropFn:
-    def rule(stats, advantages, cfg):
-        return outside_region(getattr(stats, divergence), advantages, cfg) & ratio_outward(stats, advantages)
-    rule.__doc__ = f"{title}: drop {divergence} > δ ∧ Â(r−1) > 0 (DPPO: trust region, ratio direction)."
-    return rule
+def dppo_drop(divergence: Tensor, stats: TokenStats, advantages: Tensor, cfg: Any) -> Tensor:
+    """DPPO (SPEC §4): drop divergence > δ ∧ Â(r−1) > 0 (trust region, ratio direction)."""
+    return outside_region(divergence, advantages, cfg) & ratio_outward(stats, advantages)
 
 
-for _divergence, _title in (("binary_tv", "DPPO-Binary-TV"), ("binary_kl", "DPPO-Binary-KL"),
-                            ("topk_tv", "DPPO-TopK-TV"), ("topk_kl", "DPPO-TopK-KL (the paper's baseline)")):
-    register_mask(f"dppo_{_divergence}", divergence=_divergence)(_dppo_rule(_divergence, _title))
+@register_mask("dppo_binary_tv", divergence="binary_tv", uses_delta=True)
+def mask_dppo_binary_tv(stats, advantages, cfg):
+    """DPPO-Binary-TV: drop binary_tv > δ ∧ Â(r−1) > 0."""
+    return dppo_drop(stats.binary_tv, stats, advantages, cfg)
+
+
+@register_mask("dppo_binary_kl", divergence="binary_kl", uses_delta=True)
+def mask_dppo_binary_kl(stats, advantages, cfg):
+    """DPPO-Binary-KL: drop binary_kl > δ ∧ Â(r−1) > 0."""
+    return dppo_drop(stats.binary_kl, stats, advantages, cfg)
+
+
+@register_mask("dppo_topk_tv", divergence="topk_tv", support="topk", uses_delta=True, uses_k=True)
+def mask_dppo_topk_tv(stats, advantages, cfg):
+    """DPPO-TopK-TV: drop topk_tv > δ ∧ Â(r−1) > 0."""
+    return dppo_drop(stats.topk_tv, stats, advantages, cfg)
+
+
+@register_mask("dppo_topk_kl", divergence="topk_kl", support="topk", uses_delta=True, uses_k=True)
+def mask_dppo_topk_kl(stats, advantages, cfg):
+    """DPPO-TopK-KL (the paper's baseline): drop topk_kl > δ ∧ Â(r−1) > 0."""
+    return dppo_drop(stats.topk_kl, stats, advantages, cfg)
+
+
+def pdm_drop(stats: TokenStats, advantages: Tensor, cfg: Any, estimator: str) -> Tensor:
+    """PDM (SPEC §4): drop D > δ ∧ Â·Ḋ_estimator > 0 (the update would grow the top-K KL)."""
+    return outside_region(stats.topk_kl, advantages, cfg) & predictive_outward(stats, advantages, estimator)
+
+
+@register_mask("pdm_exact", divergence="topk_kl", estimator="exact", support="topk", uses_delta=True, uses_k=True,
+               needs=("full",))
+def mask_pdm_exact(stats, advantages, cfg):
+    """PDM: drop D > δ ∧ Â·Ḋ_exact > 0 (Ḋ from the full distributions: toys)."""
+    return pdm_drop(stats, advantages, cfg, "exact")
+
+
+@register_mask("pdm_agg", divergence="topk_kl", estimator="agg", support="topk", uses_delta=True, uses_k=True)
+def mask_pdm_agg(stats, advantages, cfg):
+    """PDM: drop D > δ ∧ Â·Ḋ_agg > 0 (the update would grow the top-K KL)."""
+    return pdm_drop(stats, advantages, cfg, "agg")
+
+
+@register_mask("pdm_uniform", divergence="topk_kl", estimator="uniform", support="topk", uses_delta=True,
+               uses_k=True)
+def mask_pdm_uniform(stats, advantages, cfg):
+    """PDM: drop D > δ ∧ Â·Ḋ_uniform > 0 (the update would grow the top-K KL)."""
+    return pdm_drop(stats, advantages, cfg, "uniform")
+
+
+@register_mask("pdm_topk", divergence="topk_kl", estimator="topk", support="topk", uses_delta=True, uses_k=True)
+def mask_pdm_topk(stats, advantages, cfg):
+    """PDM: drop D > δ ∧ Â·Ḋ_topk > 0 (the update would grow the top-K KL)."""
+    return pdm_drop(stats, advantages, cfg, "topk")
 
 
 def pdm_rule(estimator: str) -> DropFn:
-    """PDM's drop function for Ḋ `estimator` (SPEC §4): ``register_mask(f"pdm_{name}")(pdm_rule(name))``
-    registers it for an estimator added with ``register_ddot_estimator``."""
+    """PDM's drop function for a Ḋ ``estimator`` added with ``register_ddot_estimator``; register it
+    as ``register_mask("pdm_<name>", like="pdm_topk", estimator="<name>")(pdm_rule("<name>"))``."""
     def rule(stats, advantages, cfg):
-        return outside_region(stats.topk_kl, advantages, cfg) & predictive_outward(stats, advantages, estimator)
+        return pdm_drop(stats, advantages, cfg, estimator)
     rule.__doc__ = f"PDM: drop D > δ ∧ Â·Ḋ_{estimator} > 0 (the update would grow the top-K KL)."
     return rule
-
-
-for _name in DDOT_ESTIMATORS:
-    register_mask(f"pdm_{_name}", divergence="topk_kl", estimator=_name)(pdm_rule(_name))
 
 
 @register_mask("icepop")
@@ -214,7 +255,7 @@ def mask_icepop(stats, advantages, cfg):
     return ((stats.ratio < cfg.icepop_low) | (stats.ratio > cfg.icepop_high)) & (advantages != 0)
 
 
-@register_mask("pdm_coupled", divergence="topk_kl", needs=("coupled",))
+@register_mask("pdm_coupled", divergence="topk_kl", support="topk", uses_delta=True, uses_k=True, needs=("coupled",))
 def mask_pdm_coupled(stats, advantages, cfg):
     """PDM coupled (SPEC §3b): drop D > δ ∧ Â ≠ 0 ∧ c > 0, c_t = Â_t r_t ⟨P∇_θ D_O, ∇_θ log π_t(k_t)⟩
     (the token's update grows the batch's out-of-region divergence); c from ``pdm_lab.coupled``."""

@@ -1,11 +1,22 @@
-"""The registration probe: what a mask rule's drop function reads, so that its record is derived.
+"""The registration probe: what a mask rule's drop function reads and how its drops move, over a
+varied set of real batches, so that its declared record can be checked (``pdm_lab.rule_record``).
 
-``register_mask`` (``pdm_lab.masks``) calls a drop function once here, on ``RuleProbe`` (a
-stand-in ``TokenStats`` of six tokens that notes every field and Ḋ estimator read) and a config
-that notes every field read, under two configurations (the optional fields set, then None).
-``facts_from_reads`` turns the reads into the record's facts (SPEC §4: the divergence thresholded,
-the estimator deciding the direction, δ, the reduced support, DPPO's binary divergences, the
-inputs beyond token statistics).
+The probe set is the product of
+
+* real ``TokenStats`` (float64, ``token_stats`` with full distributions, binary divergences and
+  a c_t) of one eight-token batch (B = 2 responses × T = 4, the second one token shorter) under
+  K ∈ {1, 2, 4} × both conventions (``union``, ``kslot``) × three policies (every r > 1, every
+  r < 1, mixed with one r = 1 token). The batch has ties in μ, a sampled token outside μ's
+  top-K, μ with cut tokens (log μ = −inf, so K = 4 reaches −inf slots), and π = μ on one row;
+* five advantage patterns (mixed signs and zeros, all positive, all negative, all zero, one sign
+  per response);
+* four configs: δ ∈ {0, 10⁻³, 0.05, 10} (everything outside the region … everything inside),
+  δ_neg unset or set, every optional ``MaskConfig`` field set or None, each ``seq_agg``, the
+  band's upper end from 0.02 to open.
+
+So a branch on the sign of Â or r − 1, on δ, K, the convention or an optional field is taken
+by some probe. Every call's reads are noted (``RuleProbe`` for the statistics, ``_ProbeConfig``
+for the config) and its drops kept, to tell whether they change with K and the convention.
 """
 from __future__ import annotations
 
@@ -18,41 +29,75 @@ import torch
 from torch import Tensor
 
 from .direction import DDOT_ESTIMATORS
-from .stats import TokenStats
+from .errors import UserInputError
+from .policy_side import policy_on_support
+from .stats import TokenStats, token_stats
+from .support import support_from_full
 
 DropFn = Callable[[TokenStats, Tensor, Any], Tensor]
-
-#: The per-token divergences a rule may threshold: attribute names of ``TokenStats``.
-DIVERGENCES = ("topk_kl", "topk_tv", "binary_kl", "binary_tv")
-#: Those that ``token_stats`` computes only when asked (``binary=True``).
-BINARY_DIVERGENCES = ("binary_kl", "binary_tv")
-#: ``TokenStats`` fields whose values change with the reduced support S (K, the convention);
-#: every Ḋ estimator but ``exact`` too (Ḋ_exact is the full Ḋ, whatever S is).
-SUPPORT_FIELDS = ("topk_kl", "topk_tv", "mu_tail", "pi_tail", "ddot_lower", "ddot_upper")
-#: ``MaskConfig`` fields that are δ: a rule reading one is swept over δ.
-DELTA_FIELDS = ("delta", "delta_neg", "delta_for_negative")
 LEVELS = ("token", "sequence")
 
 
-#: Probe batch: B = 2 responses × T = 3 tokens (the second one token shorter), Â of both signs and 0.
-_PROBE_RESPONSES = ((True, True, True), (True, True, False))
-_PROBE_ADVANTAGES = (1.0, -1.0, 1.0, -1.0, 0.0, 1.0)
+class RuleRecordError(UserInputError, ValueError):
+    """A mask rule that cannot be registered: its declared record disagrees with what its drop
+    function does, or the function cannot be called as a drop function. One line, naming the
+    rule and the record field (or the signature)."""
 
-#: A value for every ``MaskConfig`` field (tests hold the two lists equal): the probe's two
-#: configurations, with every optional field set and with them at None, so a branch on an
-#: optional field is taken both ways.
-_PROBE_CONFIG = {
-    "rule": "probe", "delta": 0.15, "delta_neg": 0.3, "k": 3, "convention": "union", "estimator": None,
+
+#: B = 2 responses × T = 4 tokens; the second response is one token shorter.
+PROBE_RESPONSES = ((True, True, True, True), (True, True, True, False))
+_NEG = float("-inf")
+#: μ per token over a 6-token vocabulary (unnormalised; −inf: a token μ never samples) and the
+#: sampled id: ties (rows 0, 3), cut tokens (rows 1, 2), k outside μ's top-2 (rows 2, 5).
+_MU = (
+    ((2.0, 1.0, 0.5, 0.5, 0.0, 0.0), 0),
+    ((2.0, 1.6, _NEG, _NEG, _NEG, _NEG), 1),
+    ((1.5, 1.2, 0.6, 0.3, _NEG, _NEG), 3),
+    ((1.0, 1.0, 0.7, 0.2, 0.2, 0.0), 1),
+    ((0.3, 1.4, 0.2, 0.9, 0.1, 0.5), 1),
+    ((1.8, 0.4, 1.1, 0.0, 0.9, 0.2), 4),
+    ((0.1, 0.2, 2.2, 0.4, 1.7, 0.3), 2),
+    ((0.5, 0.5, 0.5, 0.5, 0.5, 0.5), 5),
+)
+#: π's logits = μ's (cut tokens at −3) + this per-token shift, then ±1.5 on the sampled token.
+_PI_NOISE = ((0.4, -0.3, 0.2, 0.0, -0.5, 0.3), (-0.6, 0.9, 0.0, 0.0, 0.0, 0.0), (0.0, 0.3, -0.4, 0.8, 0.0, 0.0),
+             (0.0, -0.2, 0.5, 0.1, -0.3, 0.0), (0.0,) * 6, (-0.7, 0.2, 0.6, 0.0, -0.2, 0.4),
+             (0.3, 0.0, -0.9, 0.5, 0.2, -0.1), (0.2, -0.2, 0.4, -0.4, 0.1, -0.1))
+#: policies: every sampled token up (r > 1), down (r < 1), or the shifts alone (mixed; row 4: π = μ).
+POLICIES = {"r>1": 1.5, "r<1": -1.5, "mixed": 0.0}
+KS = (1, 2, 4)
+CONVENTIONS = ("union", "kslot")
+ADVANTAGES = {
+    "mixed": (1.0, -1.0, 0.0, 2.0, -0.5, 1.0, -1.0, 0.0),
+    "all > 0": (1.0,) * 8,
+    "all < 0": (-1.0,) * 8,
+    "all 0": (0.0,) * 8,
+    "per response": (1.0,) * 4 + (-1.0,) * 4,
+}
+_COUPLED = (0.2, -0.1, 0.3, 0.0, -0.4, 0.1, 0.5, -0.2)
+
+#: A value for every ``MaskConfig`` field (tests hold the key set equal to MaskConfig's); ``k``
+#: and ``convention`` are the probe's own per call.
+PROBE_CONFIG = {
+    "rule": "probe", "delta": 0.05, "delta_neg": None, "k": 2, "convention": "union", "estimator": None,
     "eps_low": 0.2, "eps_high": 0.28, "icepop_low": 0.5, "icepop_high": 2.0, "clip_ratio_c": 2.0,
     "aggregation": "token-mean", "horizon": 3, "dual_clip_c": 3.0, "seq_agg": "mean",
     "band_low": -0.02, "band_high": 0.02, "veto_floor": 0.5, "opsm_delta": 1e-4,
 }
-_PROBE_CONFIG_UNSET = {**_PROBE_CONFIG, "delta_neg": None, "clip_ratio_c": None, "horizon": None,
-                       "band_low": None, "veto_floor": None}
+_UNSET = {"delta_neg": None, "clip_ratio_c": None, "horizon": None, "band_low": None, "veto_floor": None}
+CONFIGS = (
+    {**PROBE_CONFIG, **_UNSET, "delta": 0.0, "seq_agg": "mean"},
+    {**PROBE_CONFIG, "delta": 1e-3, "delta_neg": 0.05, "band_high": 0.1, "seq_agg": "max"},
+    {**PROBE_CONFIG, "delta": 0.05, "band_high": 0.2, "seq_agg": "sum"},
+    {**PROBE_CONFIG, **_UNSET, "delta": 10.0, "delta_neg": 1e-3, "band_high": None, "seq_agg": "mean"},
+)
+#: ``MaskConfig`` fields that are δ, and those that are K or the convention.
+DELTA_FIELDS = ("delta", "delta_neg", "delta_for_negative")
+K_FIELDS = ("k", "convention")
 
 
 class _ProbeDdot(Mapping):
-    """``stats.ddot`` of the probe: every registered estimator, each read noted as ``ddot[name]``."""
+    """``stats.ddot`` of the probe: each estimator read noted as ``ddot[name]``."""
 
     def __init__(self, values: dict[str, Tensor], reads: set[str]):
         self._values, self._reads = values, reads
@@ -75,19 +120,13 @@ class _ProbeDdot(Mapping):
 
 
 class RuleProbe:
-    """The ``TokenStats`` a drop function sees once, at registration: every field filled (six
-    tokens, ``_PROBE_RESPONSES``), each read noted in ``reads``. A rule with a side effect (a log
-    line, a counter) performs it once then; ``isinstance(stats, RuleProbe)`` tells the call apart."""
+    """The ``TokenStats`` a drop function sees at registration: a real one, each field read noted
+    in ``reads``. A rule with a side effect (a log line, a counter) performs it then, once per
+    probe; ``isinstance(stats, RuleProbe)`` tells those calls apart."""
 
-    def __init__(self, reads: set[str]):
-        n = len(_PROBE_ADVANTAGES)
-        ramp = torch.linspace(0.0, 1.0, n)
-        log_ratio = torch.tensor([0.0, 0.3, -0.4, 0.8, -1.2, 0.05])
-        signed = torch.tensor([-0.1, 0.2, 0.3, -0.4, 0.1, 0.0])
-        values = {f.name: 0.4 * ramp for f in dataclasses.fields(TokenStats)}
-        values.update(log_ratio=log_ratio, ratio=torch.exp(log_ratio), mu_tail=0.05 * ramp,
-                      pi_tail=0.04 * ramp, ddot_lower=signed - 0.05, ddot_upper=signed + 0.05, coupled=signed)
-        values["ddot"] = _ProbeDdot({name: signed for name in DDOT_ESTIMATORS}, reads)
+    def __init__(self, stats: TokenStats, reads: set[str]):
+        values = {f.name: getattr(stats, f.name) for f in dataclasses.fields(TokenStats)}
+        values["ddot"] = _ProbeDdot(dict(stats.ddot), reads)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_reads", reads)
 
@@ -118,66 +157,89 @@ class _ProbeConfig:
         return self._values[name]
 
 
-def arity_level(name: str, fn: DropFn) -> str | None:
+_STATS_CACHE: dict[tuple[str, ...], dict[tuple[int, str, str], TokenStats]] = {}
+
+
+def probe_stats() -> dict[tuple[int, str, str], TokenStats]:
+    """(K, convention, policy) → the probe batch's real ``TokenStats`` (built once per set of
+    registered Ḋ estimators: a new estimator gets its Ḋ)."""
+    key = tuple(DDOT_ESTIMATORS)
+    if key not in _STATS_CACHE:
+        mu = torch.log_softmax(torch.tensor([row for row, _ in _MU], dtype=torch.float64), dim=1)
+        sampled = torch.tensor([k for _, k in _MU])
+        base = torch.where(torch.isfinite(mu), mu, torch.full_like(mu, -3.0)) + torch.tensor(_PI_NOISE, dtype=torch.float64)
+        out = {}
+        for policy, shift in POLICIES.items():
+            logits = base + shift * torch.nn.functional.one_hot(sampled, mu.shape[1]).to(mu.dtype)
+            pi_full = torch.log_softmax(logits, dim=1)
+            for k in KS:
+                for convention in CONVENTIONS:
+                    support = support_from_full(mu, sampled, k=k, convention=convention, compiled=False)
+                    pi = policy_on_support(logits, support.ids)
+                    stats = token_stats(support, pi, mu_full=mu, pi_full=pi_full, compiled=False)
+                    out[k, convention, policy] = dataclasses.replace(
+                        stats, coupled=torch.tensor(_COUPLED, dtype=torch.float64))
+        _STATS_CACHE.clear()
+        _STATS_CACHE[key] = out
+    return _STATS_CACHE[key]
+
+
+def signature_level(name: str, fn: DropFn) -> str | None:
     """``token`` for a (stats, advantages, cfg) function, ``sequence`` for one that also takes the
-    [B, T] response mask; None when the signature does not say (``*args``)."""
+    [B, T] response mask; None when the signature does not say (``*args``). Any other signature
+    is refused (``RuleRecordError``)."""
+    if not callable(fn):
+        raise RuleRecordError(f"rule {name!r}: signature: register a function, got {type(fn).__name__}")
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return None
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                   and p.default is p.empty]
-    if len(positional) == 3:
-        return "token"
-    if len(positional) == 4:
-        return "sequence"
-    raise ValueError(f"rule {name!r}: a drop function takes (stats, advantages, cfg), or (stats, "
-                     f"advantages, cfg, response_mask) for a sequence rule; got {len(positional)} arguments")
+    required_kw = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if len(positional) in (3, 4) and not required_kw:
+        return "token" if len(positional) == 3 else "sequence"
+    got = ", ".join([p.name for p in positional] + [f"*, {n}" for n in required_kw])
+    raise RuleRecordError(f"rule {name!r}: signature: a drop function takes (stats, advantages, cfg), or "
+                          f"(stats, advantages, cfg, response_mask) for a sequence rule; got ({got})")
 
 
-def probe_reads(name: str, fn: DropFn, level: str) -> tuple[set[str], set[str]]:
-    """(statistics, config fields) that ``fn`` reads on the probe, under both probe configs.
+@dataclasses.dataclass
+class Observation:
+    """What a drop function did over the probe set."""
 
-    Statistics are ``TokenStats`` field names, and ``ddot[<estimator>]`` per Ḋ read. Raises
-    ``ValueError`` naming the rule when the function fails on the probe or returns anything but
-    an [N] bool tensor."""
+    stats_reads: set[str]      # TokenStats fields, and ``ddot[<estimator>]`` per Ḋ read
+    cfg_reads: set[str]        # MaskConfig fields
+    varies_with_k: bool        # some probe's drops differ between two (K, convention) supports
+
+
+def observe(name: str, fn: DropFn, level: str) -> Observation:
+    """Run ``fn`` on every probe; raises ``RuleRecordError`` naming the probe when the function
+    fails there or returns anything but an [N] bool tensor."""
     stats_reads: set[str] = set()
     cfg_reads: set[str] = set()
-    advantages = torch.tensor(_PROBE_ADVANTAGES)
-    response_mask = torch.tensor(_PROBE_RESPONSES)
-    for config in (_PROBE_CONFIG, _PROBE_CONFIG_UNSET):
-        args = (RuleProbe(stats_reads), advantages.clone(), _ProbeConfig(config, cfg_reads))
-        try:
-            drop = fn(*args, response_mask) if level == "sequence" else fn(*args)
-        except Exception as err:  # noqa: BLE001 - whatever it is, the rule cannot be registered
-            raise ValueError(f"rule {name!r}: its drop function fails on the registration probe "
-                             f"(a {level}-level call): {type(err).__name__}: {err}") from err
-        if not (isinstance(drop, Tensor) and drop.dtype == torch.bool and drop.shape == advantages.shape):
-            got = f"{drop.dtype} {tuple(drop.shape)}" if isinstance(drop, Tensor) else type(drop).__name__
-            raise ValueError(f"rule {name!r}: a drop function returns an [N] bool tensor (N = "
-                             f"{advantages.numel()} on the probe), got {got}")
-    return stats_reads, cfg_reads
-
-
-def facts_from_reads(name: str, stats_reads: set[str], cfg_reads: set[str]) -> dict[str, Any]:
-    """The record's facts as the reads give them (see ``MaskRule`` for each)."""
-    divergences = [d for d in DIVERGENCES if d in stats_reads]
-    estimators = sorted(r[len("ddot["):-1] for r in stats_reads if r.startswith("ddot["))
-    if len(divergences) > 1:
-        raise ValueError(f"rule {name!r} reads the divergences {', '.join(divergences)}: a record names "
-                         "the one divergence its rule thresholds")
-    if len(estimators) > 1:
-        raise ValueError(f"rule {name!r} reads Ḋ of the estimators {', '.join(estimators)}: a record "
-                         "names the one estimator whose sign decides the direction")
-    needs = tuple(need for need, reads in (("full", {"full_kl", "ddot[exact]"}), ("coupled", {"coupled"}))
-                  if stats_reads & reads)
-    return {
-        "divergence": divergences[0] if divergences else None,
-        "estimator": estimators[0] if estimators else None,
-        "uses_delta": bool(cfg_reads & set(DELTA_FIELDS)),
-        "uses_support": bool(stats_reads & set(SUPPORT_FIELDS)) or any(e != "exact" for e in estimators),
-        "needs": needs,
-        "binary_stats": bool(stats_reads & set(BINARY_DIVERGENCES)),
-    }
+    response_mask = torch.tensor(PROBE_RESPONSES)
+    drops: dict[tuple, list[Tensor]] = {}
+    for (k, convention, policy), stats in probe_stats().items():
+        for adv_name, adv_values in ADVANTAGES.items():
+            advantages = torch.tensor(adv_values, dtype=torch.float64)
+            for c, config in enumerate(CONFIGS):
+                cfg = _ProbeConfig({**config, "k": k, "convention": convention}, cfg_reads)
+                args = (RuleProbe(stats, stats_reads), advantages.clone(), cfg)
+                where = (f"K={k}, {convention}, {policy}, Â {adv_name}, δ={config['delta']}, "
+                         f"seq_agg={config['seq_agg']}")
+                try:
+                    drop = fn(*args, response_mask) if level == "sequence" else fn(*args)
+                except Exception as err:  # noqa: BLE001 - whatever it is, the rule cannot be registered
+                    msg = str(err).splitlines()[0] if str(err) else ""
+                    raise RuleRecordError(f"rule {name!r}: probe: its drop function fails on the registration probe "
+                                          f"({level}-level call; {where}): {type(err).__name__}: {msg}") from err
+                if not (isinstance(drop, Tensor) and drop.dtype == torch.bool and drop.shape == advantages.shape):
+                    got = f"{drop.dtype} {tuple(drop.shape)}" if isinstance(drop, Tensor) else type(drop).__name__
+                    raise RuleRecordError(f"rule {name!r}: returns: a drop function returns an [N] bool tensor (N = "
+                                          f"{advantages.numel()} on the probe), got {got}")
+                drops.setdefault((policy, adv_name, c), []).append(drop)
+    varies = any(any(not torch.equal(d, same[0]) for d in same[1:]) for same in drops.values())
+    return Observation(stats_reads, cfg_reads, varies)

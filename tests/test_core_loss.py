@@ -89,7 +89,7 @@ def test_binary_divergences_are_computed_only_for_the_rules_that_read_them():
     with pytest.raises(PDMInputError, match=r"dppo_binary_kl.*binary=True"):
         compute_mask(MaskConfig(rule="dppo_binary_kl"), lean, adv.reshape(-1))
 
-    @register_mask("test_reads_binary_kl", binary_stats=True)
+    @register_mask("test_reads_binary_kl", divergence="binary_kl", uses_delta=True, binary_stats=True)
     def reads_binary_kl(stats, advantages, cfg):
         return stats.binary_kl > cfg.delta
 

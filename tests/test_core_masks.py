@@ -95,51 +95,53 @@ def registry():
         live.update(saved)
 
 
-#: Every built-in record as SPEC §4 states it: (divergence, estimator, uses_delta, uses_support,
-#: level, needs, binary_stats). The verl plugin and the launch files choose the top-K path by
-#: ``uses_support``, the loss computes binary divergences by ``binary_stats``.
+#: Every built-in record as SPEC §4 states it: (divergence, estimator, support, uses_delta,
+#: uses_k, level, needs, binary_stats). verl and the launch files choose the top-K path by
+#: ``support``, the sweep its δ and K axes by ``uses_delta`` / ``uses_k``, the loss computes
+#: binary divergences by ``binary_stats``.
 RECORDS = {
-    "none": (None, None, False, False, "token", (), False),
-    "ppo_clip": (None, None, False, False, "token", (), False),
-    "ppo_clip_dual": (None, None, False, False, "token", (), False),
-    "icepop": (None, None, False, False, "token", (), False),
-    "dppo_binary_tv": ("binary_tv", None, True, False, "token", (), True),
-    "dppo_binary_kl": ("binary_kl", None, True, False, "token", (), True),
-    "dppo_topk_tv": ("topk_tv", None, True, True, "token", (), False),
-    "dppo_topk_kl": ("topk_kl", None, True, True, "token", (), False),
-    "pdm_exact": ("topk_kl", "exact", True, True, "token", ("full",), False),
-    "pdm_agg": ("topk_kl", "agg", True, True, "token", (), False),
-    "pdm_uniform": ("topk_kl", "uniform", True, True, "token", (), False),
-    "pdm_topk": ("topk_kl", "topk", True, True, "token", (), False),
-    "pdm_coupled": ("topk_kl", None, True, True, "token", ("coupled",), False),
-    **{f"seq_{s}": (None, None, False, False, "sequence", (), False) for s in ("k1", "k2", "k3", "geo_mean")},
-    "seq_topk_kl": ("topk_kl", None, False, True, "sequence", (), False),
-    "opsm": (None, None, False, False, "sequence", (), False),
-    **{f"token_{s}": (None, None, False, False, "token", (), False) for s in ("k1", "k2", "k3")},
+    "none": (None, None, "slot", False, False, "token", (), False),
+    "ppo_clip": (None, None, "slot", False, False, "token", (), False),
+    "ppo_clip_dual": (None, None, "slot", False, False, "token", (), False),
+    "icepop": (None, None, "slot", False, False, "token", (), False),
+    "dppo_binary_tv": ("binary_tv", None, "slot", True, False, "token", (), True),
+    "dppo_binary_kl": ("binary_kl", None, "slot", True, False, "token", (), True),
+    "dppo_topk_tv": ("topk_tv", None, "topk", True, True, "token", (), False),
+    "dppo_topk_kl": ("topk_kl", None, "topk", True, True, "token", (), False),
+    "pdm_exact": ("topk_kl", "exact", "topk", True, True, "token", ("full",), False),
+    "pdm_agg": ("topk_kl", "agg", "topk", True, True, "token", (), False),
+    "pdm_uniform": ("topk_kl", "uniform", "topk", True, True, "token", (), False),
+    "pdm_topk": ("topk_kl", "topk", "topk", True, True, "token", (), False),
+    "pdm_coupled": ("topk_kl", None, "topk", True, True, "token", ("coupled",), False),
+    **{f"seq_{s}": (None, None, "slot", False, False, "sequence", (), False) for s in ("k1", "k2", "k3", "geo_mean")},
+    "seq_topk_kl": ("topk_kl", None, "topk", False, True, "sequence", (), False),
+    "opsm": (None, None, "slot", False, False, "sequence", (), False),
+    **{f"token_{s}": (None, None, "slot", False, False, "token", (), False) for s in ("k1", "k2", "k3")},
 }
-FACTS = ("divergence", "estimator", "uses_delta", "uses_support", "level", "needs", "binary_stats")
+FACTS = ("divergence", "estimator", "support", "uses_delta", "uses_k", "level", "needs", "binary_stats")
 
 
 def _facts(rule):
     return tuple(getattr(rule, fact) for fact in FACTS)
 
 
-def test_every_builtin_record_is_what_its_function_reads():
+def test_every_builtin_record_is_as_spec_states_it():
     assert {name: _facts(rule) for name, rule in MASK_RULES.items()} == RECORDS
+    assert FACTS == tuple(MASK_RULES["none"].record())
 
 
-def test_readme_example_registers_a_topk_rule(registry):
-    """The README's own example declares nothing: the reads make it a top-K rule with δ."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    start = readme.index("from pdm_lab.masks import register_mask")
-    exec(readme[start:readme.index("```", start)], {})
-    assert _facts(MASK_RULES["my_rule"]) == ("topk_kl", "topk", True, True, "token", (), False)
+def test_the_rules_example_registers_a_topk_rule(registry):
+    """docs/rules.md's own example registers, with the record it declares."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "rules.md").read_text(encoding="utf-8")
+    start = guide.index("from pdm_lab.masks import")
+    exec(guide[start:guide.index("```", start)], {})
+    assert _facts(MASK_RULES["my_rule"]) == ("topk_kl", "topk", "topk", True, True, "token", (), False)
 
 
-def test_a_rule_that_delegates_gets_the_record_of_what_it_calls(registry):
+def test_a_rule_that_delegates_declares_the_record_of_what_it_calls(registry):
     inner = MASK_RULES["pdm_topk"]
 
-    @register_mask("test_delegating")
+    @register_mask("test_delegating", like="pdm_topk")
     def delegating(stats, advantages, cfg):
         return inner(stats, advantages, cfg)
 
@@ -152,101 +154,20 @@ def test_a_new_estimator_gets_its_rule_as_direction_py_says(registry):
     def half_agg(view):
         return direction._where_tail(view, 0.5 * view.pi_tail * (view.mu_tail - view.pi_tail))
 
-    register_mask("pdm_test_half_agg")(pdm_rule("test_half_agg"))
+    register_mask("pdm_test_half_agg", like="pdm_topk", estimator="test_half_agg")(pdm_rule("test_half_agg"))
     rule = MASK_RULES["pdm_test_half_agg"]
-    assert _facts(rule) == ("topk_kl", "test_half_agg", True, True, "token", (), False)
+    assert _facts(rule) == ("topk_kl", "test_half_agg", "topk", True, True, "token", (), False)
     assert MaskConfig(rule="pdm_test_half_agg").direction_estimator == "test_half_agg"
 
 
-def _reads_topk_tv(stats, advantages, cfg):
-    return (stats.topk_tv > cfg.delta) & (advantages * stats.log_ratio > 0)
-
-
-def _reads_agg(stats, advantages, cfg):
-    return (stats.topk_kl > cfg.delta) & (advantages * stats.ddot["agg"] > 0)
-
-
-def _reads_binary_kl(stats, advantages, cfg):
-    return stats.binary_kl > cfg.delta
-
-
-def _ratio_only(stats, advantages, cfg):
-    return (advantages * stats.log_ratio > 0.5) & (stats.ratio > 0)
-
-
-def _needs_full(stats, advantages, cfg):
-    return stats.full_kl > cfg.delta
-
-
-def _sequence(stats, advantages, cfg, response_mask):
-    return (stats.log_ratio > 0).reshape(response_mask.shape).any(1, keepdim=True).expand_as(response_mask).reshape(-1)
-
-
-def _two_divergences(stats, advantages, cfg):
-    return (stats.topk_kl > cfg.delta) | (stats.topk_tv > cfg.delta)
-
-
-def _returns_keep_floats(stats, advantages, cfg):
-    return (stats.topk_kl <= cfg.delta).float()
-
-
-def _wrong_field(stats, advantages, cfg):
-    return stats.kl > cfg.delta
-
-
-@pytest.mark.parametrize("fn, declared, match", [
-    # planted mis-declarations: each one a record that would lie about its function
-    (_reads_topk_tv, {"divergence": "topk_kl"}, r"declares divergence='topk_kl'.*topk_tv"),
-    (_reads_agg, {"estimator": "topk"}, r"declares estimator='topk'.*ddot\[agg\]"),
-    (_reads_agg, {"uses_support": False}, r"declares uses_support=False"),
-    (_ratio_only, {"uses_delta": True}, r"declares uses_delta=True"),
-    (_ratio_only, {"uses_support": True}, r"declares uses_support=True"),
-    (_reads_binary_kl, {"binary_stats": False}, r"declares binary_stats=False"),
-    (_needs_full, {"needs": ()}, r"declares needs=\(\).*full_kl"),
-    (_reads_topk_tv, {"level": "sequence"}, r"declares level='sequence'"),
-    (_sequence, {"level": "token"}, r"declares level='token'"),
-    # functions no record can describe
-    (_two_divergences, {}, r"reads the divergences topk_kl, topk_tv"),
-    (_returns_keep_floats, {}, r"returns an \[N\] bool tensor.*float32"),
-    (_wrong_field, {}, r"fails on the registration probe.*no field 'kl'"),
-])
-def test_a_misdeclared_rule_is_refused_at_registration(registry, fn, declared, match):
-    with pytest.raises(ValueError, match=match):
-        register_mask("test_misdeclared", **declared)(fn)
-    assert "test_misdeclared" not in MASK_RULES
-
-
-@pytest.mark.parametrize("fn, facts", [
-    (_reads_topk_tv, ("topk_tv", None, True, True, "token", (), False)),
-    (_reads_binary_kl, ("binary_kl", None, True, False, "token", (), True)),
-    (_ratio_only, (None, None, False, False, "token", (), False)),
-    (_needs_full, (None, None, True, False, "token", ("full",), False)),
-    (_sequence, (None, None, False, False, "sequence", (), False)),
-])
-def test_the_same_functions_declared_truly_or_not_at_all_register(registry, fn, facts):
-    register_mask("test_derived")(fn)
-    assert _facts(MASK_RULES.pop("test_derived")) == facts
-    register_mask("test_declared", **dict(zip(FACTS, facts)))(fn)
-    assert _facts(MASK_RULES["test_declared"]) == facts
-
-
-def test_a_branch_on_an_optional_field_is_probed_both_ways(registry):
-    @register_mask("test_veto_reads_d")
-    def veto_reads_d(stats, advantages, cfg):
-        if cfg.veto_floor is None:
-            return stats.log_ratio > 1
-        return stats.topk_kl > 1  # taken only when the optional field is set
-
-    assert MASK_RULES["test_veto_reads_d"].uses_support
-
-
-def test_the_probe_config_has_every_mask_config_field():
-    assert set(rule_probe._PROBE_CONFIG) == {f.name for f in dataclasses.fields(MaskConfig)}
-    assert set(rule_probe._PROBE_CONFIG_UNSET) == set(rule_probe._PROBE_CONFIG)
+def test_the_probe_configs_have_every_mask_config_field():
+    fields = {f.name for f in dataclasses.fields(MaskConfig)}
+    assert set(rule_probe.PROBE_CONFIG) == fields
+    assert all(set(config) == fields for config in rule_probe.CONFIGS)
 
 
 def test_adding_a_rule_is_one_decorated_function():
-    @register_mask("test_drop_all_positive")
+    @register_mask("test_drop_all_positive")  # declares the defaults: one slot, no δ, no K
     def _drop_pos(stats, advantages, cfg):
         return advantages > 0
 

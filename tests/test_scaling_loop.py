@@ -38,9 +38,9 @@ from pdm_lab.masks import MASK_RULES, RuleProbe, register_mask
 _inner = MASK_RULES["pdm_topk"]
 
 
-@register_mask("counting_pdm_topk")
+@register_mask("counting_pdm_topk", like="pdm_topk")  # the same record as the rule it wraps
 def counting(stats, advantages, cfg):
-    if not isinstance(stats, RuleProbe):  # register_mask runs the rule once on its probe
+    if not isinstance(stats, RuleProbe):  # register_mask runs the rule on its probe set
         with open(os.environ["PDM_TEST_MASK_LOG"], "a") as fh:
             fh.write(f"{os.environ.get('RANK', '?')} {advantages.numel()}\\n")
     return _inner(stats, advantages, cfg)

@@ -51,7 +51,7 @@ def config_label(row: dict) -> str:
     record = MASK_RULES.get(row["rule"])
     if row.get("delta") is not None and record is not None and record.uses_delta:
         parts.append(f"δ={row['delta']:g}")
-    if row.get("k") is not None and record is not None and record.uses_support:
+    if row.get("k") is not None and record is not None and record.uses_k:
         if row["k"] != 20:
             parts.append(f"K={row['k']}")
         if row.get("convention", "union") != "union":

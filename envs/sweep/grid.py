@@ -71,15 +71,16 @@ class SweepConfig:
     def cells(self) -> list[TrainConfig]:
         """One TrainConfig per cell (seed 0; the seed is set per run).
 
-        A rule whose record reads neither δ nor the support (``MaskRule.uses_delta`` /
-        ``uses_support``) gets one value of that axis (the first) instead of repeats of one run.
+        A rule whose declared record reads no δ (``MaskRule.uses_delta``), or whose drops do not
+        change with K and the convention (``uses_k``), gets one value of that axis (the first)
+        instead of repeats of one run.
         """
         out = []
         for rule in self.rules:
             record = get_mask_rule(rule)
             deltas = self.deltas if record.uses_delta else self.deltas[:1]
-            ks = self.ks if record.uses_support else self.ks[:1]
-            conventions = self.conventions if record.uses_support else self.conventions[:1]
+            ks = self.ks if record.uses_k else self.ks[:1]
+            conventions = self.conventions if record.uses_k else self.conventions[:1]
             for spec in self.mismatches:
                 for delta in deltas:
                     for k in ks:

@@ -7,7 +7,7 @@ trainer sections, the winning ``mask:`` and its ``provenance:``). Output:
   model, data, group size, temperature, lengths and learning rate;
 * ``verl`` — a bash script calling ``python -m verl.trainer.main_ppo`` with the plugin's loss
   (``pdm_lab.<rule>``, bypass mode) and the same settings as Hydra overrides. Rules that need
-  μ's top-K (``uses_support``) also turn on the top-K runtime patch set
+  μ's top-K (``support="topk"``) also turn on the top-K runtime patch set
   (``pdm_lab.integrations.verl_patches``): ``PDM_LAB_VERL_TOPK=K`` exported for a local Ray
   cluster and passed to every Ray worker through ``ray_kwargs.ray_init.runtime_env``, with
   processed log-probs (and vLLM's ``max_logprobs`` when K > 20). Rules that need inputs verl
@@ -186,7 +186,7 @@ def verl_overrides(cfg: Any) -> list[str]:
     ]
     if mask.horizon is not None:
         out.append(f"actor_rollout_ref.actor.loss_scale_factor={mask.horizon}")
-    if record.uses_support:  # μ's top-K from the rollout: pdm_lab.integrations.verl_patches
+    if record.support == "topk":  # μ's top-K from the rollout: pdm_lab.integrations.verl_patches
         out += [f'+ray_kwargs.ray_init.runtime_env.env_vars.{VERL_TOPK_ENV}="{mask.k}"',
                 "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs"]
         if mask.k > VLLM_MAX_LOGPROBS:
@@ -198,7 +198,7 @@ def verl_script(cfg: Any) -> str:
     """A runnable bash script launching verl with pdm_lab's plugin loss for run config `cfg`."""
     args = " \\\n    ".join(shlex.quote(o) for o in verl_overrides(cfg))
     topk = ""
-    if MASK_RULES[cfg.mask.rule].uses_support:
+    if MASK_RULES[cfg.mask.rule].support == "topk":
         topk = (f"# {cfg.mask.rule} reads μ's top-K: pdm_lab's verl top-K patch set (verl_patches) carries it from\n"
                 f"# vLLM to the actor; it is applied in every process where {VERL_TOPK_ENV} is set.\n"
                 f"export {VERL_TOPK_ENV}={cfg.mask.k}\n")

@@ -2,7 +2,7 @@
 
 With S = {k} the reduced support is exact for every rule that reads only r = π_k/μ_k (ratio
 tests, binary divergences, k1/k2/k3): the top-K KL on S = {k} *is* the binary KL. Rules whose
-record says ``uses_support`` (top-K divergences, Ḋ estimators) need the top-K path instead.
+record declares ``support="topk"`` (top-K divergences, Ḋ estimators) need the top-K path instead.
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from ..support import Support, support_from_slots
 
 
 def sampled_token_rules() -> tuple[str, ...]:
-    """Registered rules that decide from the sampled token's log-probs alone."""
-    return tuple(name for name, rec in MASK_RULES.items() if not rec.uses_support and not rec.needs)
+    """Registered rules whose declared support is the sampled token's one slot (they decide from
+    its log-probs alone)."""
+    return tuple(name for name, rec in MASK_RULES.items() if rec.support == "slot" and not rec.needs)
 
 
 def sampled_token_view(mu_logp_k: Tensor, pi_logp_k: Tensor) -> tuple[Support, PolicyOnSupport]:

@@ -63,10 +63,11 @@ def topk_from_vllm(position_logprobs: list[list[dict[int, Any]]], responses: Ten
 
 
 def topk_rules() -> tuple[str, ...]:
-    """Registered rules that read μ's top-K support and nothing the stage must add (``needs``)."""
+    """Registered rules whose declared support is μ's top-K and that need nothing the stage must
+    add (``needs``)."""
     from ..masks import MASK_RULES
 
-    return tuple(name for name, rec in MASK_RULES.items() if rec.uses_support and not rec.needs)
+    return tuple(name for name, rec in MASK_RULES.items() if rec.support == "topk" and not rec.needs)
 
 
 def pad_topk(ids: Any, logp: Any, length: int, k: int) -> tuple[Tensor, Tensor]:
