@@ -37,6 +37,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as err:
         return _fail(_naming(args.config, err))
+    args.traceback_dir = cfg.resolved_run_dir  # an internal error's traceback goes into the run's folder
     if args.dry_run:
         from .dryrun import dry_run, format_report
 

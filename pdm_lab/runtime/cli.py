@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 import typing
+from pathlib import Path
 
 from ..config import FINITE, ConfigError, Range, at_least, check_option
 from pdm_lab.runtime.yaml_config import parse_value
@@ -89,32 +90,48 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def save_traceback(err: BaseException, argv: list[str]) -> str:
-    """Write `err`'s traceback (and the command line) to a new file in the temp folder; its path,
-    or why none was written."""
-    import tempfile
+def traceback_folder(args: argparse.Namespace) -> Path | None:
+    """Where an internal error's traceback goes: the run's own folder, ``args.traceback_dir``
+    when the command set it (a training run's ``run_dir``), else ``--out`` when it is an existing
+    folder, or the existing folder of an ``--out`` file; None when the command made none."""
+    for value in (getattr(args, "traceback_dir", None), getattr(args, "out", None)):
+        if not value:
+            continue
+        path = Path(value)
+        if path.is_dir():
+            return path
+        if path.suffix and path.parent.is_dir() and str(path.parent) not in ("/", "/dev", "/proc"):
+            return path.parent
+    return None
+
+
+def save_traceback(err: BaseException, argv: list[str], folder: Path | None) -> str:
+    """Write `err`'s traceback (and the command line) to ``folder/pdm-lab-traceback.txt``; where it
+    went, or how to see it (``--debug``) when there is no folder or it cannot be written."""
     import traceback
 
+    if folder is None:
+        return "rerun with --debug to print the traceback"
+    path = folder / "pdm-lab-traceback.txt"
     try:
-        fd, path = tempfile.mkstemp(prefix="pdm-lab-traceback-", suffix=".txt")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with open(path, "w", encoding="utf-8") as fh:
             fh.write(f"pdm-lab {' '.join(argv)}\npython {sys.version.split()[0]}\n\n")
             fh.write("".join(traceback.format_exception(err)))
-        return path
+        return f"traceback saved to {path}"
     except OSError as io_err:
-        return f"(not saved: {io_err})"
+        return f"traceback not saved to {path} ({io_err}); rerun with --debug to print it"
 
 
-def internal_error_line(command: str, err: BaseException, argv: list[str]) -> str:
-    """The one line an internal error prints: that it is a pdm_lab bug, what it was, and the file
-    holding its traceback."""
+def internal_error_line(command: str, err: BaseException, argv: list[str], folder: Path | None = None) -> str:
+    """The one line an internal error prints: that it is a pdm_lab bug, what it was, and where its
+    traceback is (the run's own folder, never the system's temp folder)."""
     from ..errors import one_line
 
     what = one_line(err)
     name = type(err).__name__
     what = what if what.startswith(name) else f"{name}: {what}"
     return (f"pdm-lab {command}: internal error (a pdm_lab bug, not a problem with your input): {what}; "
-            f"traceback saved to {save_traceback(err, argv)} (please report it)")
+            f"{save_traceback(err, argv, folder)} (please report it)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if status == 2:
             print(f"pdm-lab {args.command}: error: {one_line(err)} (--debug for the traceback)", file=sys.stderr)
         else:
-            print(internal_error_line(args.command, err, argv), file=sys.stderr)
+            print(internal_error_line(args.command, err, argv, traceback_folder(args)), file=sys.stderr)
         return status
     return int(code or 0)
 

@@ -117,3 +117,35 @@ def inside(root: str | Path, path: str | Path, what: str) -> Path:
     if base not in full.parents:
         raise OutputPathError(f"{what}: {path} resolves to {full}, outside {base}")
     return full
+
+
+def write_output(path: str | Path, text: str, *, flag: str = "--out") -> Path:
+    """Write `text` to `path` (its folder created); an OS error is an ``OutputPathError`` naming the
+    path (``--out /dev/full: cannot write (No space left on device)``), never the bare strerror."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise OutputPathError(f"{flag} {path}: cannot write ({err.strerror or err})") from None
+    return path
+
+
+def move_aside(out: str | Path) -> Path:
+    """Rename folder `out` to ``<out>.<UTC time>`` (``results/sweep-quick.20261203T104500Z``) and
+    return the new path: a result that this run's would overwrite is kept, under a name that
+    says when it was moved."""
+    import time
+
+    out = Path(out)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = out.with_name(f"{out.name}.{stamp}")
+    n = 1
+    while target.exists():
+        target = out.with_name(f"{out.name}.{stamp}-{n}")
+        n += 1
+    try:
+        out.rename(target)
+    except OSError as err:
+        raise OutputPathError(f"--out {out}: cannot move it aside to {target} ({err.strerror or err})") from None
+    return target

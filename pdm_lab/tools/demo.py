@@ -10,14 +10,20 @@ import argparse
 import json
 import math
 import time
-from pathlib import Path
 
 import torch
 
 from ..config import ConfigError, at_least, non_negative
 from ..diagnose import DIAGNOSE_MASKS, diagnose
 from ..runtime.cli import integer, number
+from ..runtime.memory import check_memory
+from ..runtime.outputs import write_output
 from .synthetic import synthetic_batch
+
+
+#: Bytes per (token, vocabulary entry) the demo holds at once (μ, π, their probabilities and the
+#: diagnosis' intermediates, float32): the memory estimate checked before the batch is drawn.
+BYTES_PER_ENTRY = 48
 
 
 def _rate(flags: torch.Tensor, where: torch.Tensor) -> float:
@@ -60,13 +66,13 @@ def _print_table(rows: list[dict]) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.k > args.vocab:
         raise ConfigError(f"--k {args.k}: must be ≤ --vocab ({args.vocab}): K of μ's most probable tokens")
+    # the batch and its diagnosis hold about a dozen [tokens, vocab] float32 tensors at once
+    check_memory(BYTES_PER_ENTRY * args.tokens * args.vocab, f"--tokens {args.tokens:g} × --vocab {args.vocab}")
     start = time.perf_counter()
     rows = run_demo(tokens=args.tokens, vocab=args.vocab, k=args.k, delta=args.delta, seed=args.seed)
     _print_table(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     plain = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
-    out.write_text(json.dumps(plain, indent=2))  # null: no outside token to measure on
+    out = write_output(args.out, json.dumps(plain, indent=2))  # null: no outside token to measure on
     print(f"\nwrote {out} ({time.perf_counter() - start:.1f} s)")
     return 0
 
