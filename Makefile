@@ -61,7 +61,7 @@ venvs: $(STAMP) $(TRL_VENV)/.installed $(VERL_VENV)/.installed
 
 run: $(STAMP)
 	$(VENV)/bin/pdm-lab prove --out $(RESULTS)/proofs.md
-	$(VENV)/bin/pdm-lab sweep --preset quick --out $(RESULTS)/sweep-quick
+	$(VENV)/bin/pdm-lab sweep --preset quick --out $(RESULTS)/sweep-quick --move-aside
 
 test: test-core test-frameworks
 

@@ -20,6 +20,10 @@ from pdm_lab.runtime.cli import int_at_least, integer
 from pdm_lab.config import ConfigError, from_dict, to_dict
 from pdm_lab.runtime.yaml_config import apply_overrides, read_yaml
 
+#: Exit status of a command that finished but some of whose runs went non-finite (NaN or inf
+#: parameters or loss): its results are written, and say which.
+NONFINITE_EXIT = 3
+
 OVERRIDES_HELP = "key.path=value overrides of the config's fields (YAML values: rules=[a,b] base.steps=3)"
 
 
@@ -80,7 +84,7 @@ def register_audit(subparsers) -> None:
         "audit", help="direction audit (SPEC §6): unsafe-keep of two rules over seeds, with CI and sign test",
         description="One optimiser step per rule from the same parameters on the same batch; over tokens "
                     "outside the region where two rules disagree, how often each rule's kept tokens grew D. "
-                    "Writes audit.json, audit.md and figures. Fields: see AuditConfig (pdm_lab.envs.audit.study); "
+                    "Writes audit.json, audit.md and figures. Fields: see AuditConfig (pdm_lab.envs.audit.config); "
                     "e.g. rules=[dppo_topk_kl,pdm_topk] sequences=256 problem.kind=bandit k_sweep=[] "
                     "contexts=[shared].")
     _add_config_arguments(p, AUDIT_PRESETS, "paper", "AuditConfig")
@@ -111,21 +115,24 @@ def register_sweep(subparsers) -> None:
     p.add_argument("--no-audit", dest="audit", action="store_false")
     p.add_argument("--force", action="store_true",
                    help="write into --out even when it holds another grid's results.json/report.md")
+    p.add_argument("--move-aside", action="store_true",
+                   help="when --out holds another grid's results, rename it <out>.<UTC time> and start afresh "
+                        "(the same grid resumes; make run uses this)")
     p.set_defaults(func=sweep_main)
 
 
 def register_calibrate(subparsers) -> None:
     """``pdm-lab calibrate``: the regime table of a toy setting or of a scaling run (SPEC §6b)."""
-    from pdm_lab.envs.transfer.calibrate import add_parser
+    from .study_commands import add_calibrate_parser
 
-    add_parser(subparsers)
+    add_calibrate_parser(subparsers)
 
 
 def register_transfer(subparsers) -> None:
     """``pdm-lab transfer``: the toy audit calibrated to a scaling run vs the run's own audit (SPEC §6c)."""
-    from pdm_lab.envs.transfer.compare import add_parser
+    from .study_commands import add_transfer_parser
 
-    add_parser(subparsers)
+    add_transfer_parser(subparsers)
 
 
 def register(subparsers) -> None:
@@ -170,11 +177,17 @@ def sweep_main(args: argparse.Namespace) -> int:
     executor = make_executor(args.executor, args.workers, args.ray_address)
     try:
         status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet,
-                              force=args.force)
+                              force=args.force, move_aside=args.move_aside)
     except ResultsError as err:  # a results folder that cannot be used: bad input, exit status 2
         print(f"pdm-lab sweep: error: {err}", file=sys.stderr)
         return 2
     print(f"{status['ran']} runs now, {status['skipped']} reused, {status['runs']}/{status['total']} done "
           f"in {status['wall_s']:.1f} s")
     print(f"report: {status['report']}")
+    if status.get("moved_to"):
+        print(f"another grid's results were in {out}: moved to {status['moved_to']}")
+    if status.get("nonfinite"):
+        print(f"pdm-lab sweep: {status['nonfinite']} of {status['runs']} runs went non-finite (marked in "
+              f"results.json and report.md); exit status {NONFINITE_EXIT}", file=sys.stderr)
+        return NONFINITE_EXIT
     return 0

@@ -1,6 +1,7 @@
 """The end-to-end runs behind the CLI: sweep → table → figures → report, and audit → files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -11,7 +12,8 @@ from pdm_lab.envs.audit.study import AuditConfig, run_audit
 from pdm_lab.envs.report.plots import audit_figures, sweep_figures
 from pdm_lab.runtime.records import write_json_atomic
 from pdm_lab.envs.report.sweep_report import write_report
-from pdm_lab.envs.sweep.grid import SweepConfig, load_runs, run_sweep
+from pdm_lab.envs.sweep.grid import SweepConfig, claim_out, load_runs, run_sweep
+from pdm_lab.runtime.outputs import OutputPathError, move_aside as outputs_move_aside
 
 
 def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True) -> dict:
@@ -28,12 +30,24 @@ def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True) ->
 
 
 def sweep_to_dir(cfg: SweepConfig, out: str | Path, *, executor=None, audit: AuditConfig | None = None,
-                 progress: bool = True, title: str = "pdm_lab toy sweep", force: bool = False) -> dict:
+                 progress: bool = True, title: str = "pdm_lab toy sweep", force: bool = False,
+                 move_aside: bool = False) -> dict:
     """Run (or resume) the sweep, optionally the audit, then the table, figures and report.md
-    (``force``: over another grid's results; see ``sweep.claim_out``)."""
+    (``force``: over another grid's results; ``move_aside``: another grid's folder is renamed
+    ``<out>.<UTC time>`` first; see ``sweep.claim_out``). Returns the status, with ``moved_to``
+    when a folder was moved aside."""
     out = Path(out)
+    moved = None
+    if move_aside and not force:
+        with DirLock(out, what="sweep output") if out.is_dir() else contextlib.nullcontext():
+            try:
+                claim_out(cfg, out)
+            except OutputPathError:  # another grid's results: kept under a dated name
+                moved = outputs_move_aside(out)
+    claim_out(cfg, out, force=force)  # before the lock: a refused sweep leaves nothing in out
     with DirLock(out, what="sweep output"):  # held through the report too (re-entrant)
-        return _sweep_to_dir_locked(cfg, out, executor, audit, progress, title, force)
+        status = _sweep_to_dir_locked(cfg, out, executor, audit, progress, title, force)
+    return {**status, "moved_to": str(moved) if moved else None}
 
 
 def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConfig | None,
@@ -62,16 +76,22 @@ def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConf
              f"{cfg.seeds} seeds. {len(runs)} of {status['total']} runs finished "
              f"({status['skipped']} reused from an earlier invocation).",
              "Tables: results.csv / results.json (one row per cell × seed); per-step logs: cells/*/seed_*.jsonl."]
+    bad = [r["row"] for r in runs if r["row"].get("nonfinite")]
+    if bad:
+        intro.insert(0, f"**{len(bad)} of {len(runs)} runs went non-finite** (NaN or inf parameters; column "
+                        "`nonfinite` in results.csv, counted as collapsed, final reward NaN): "
+                        + ", ".join(f"{r['rule']} {r['mismatch']} δ {r['delta']:g} seed {r['seed']}" for r in bad[:10])
+                        + (" …" if len(bad) > 10 else "") + ".")
     report = write_report(out / "report.md", title=title, intro=intro, rows=[r["row"] for r in runs],
                           sweep_figs=figs, audit=audit_doc, audit_figs=audit_figs,
                           regime=sweep_regime(cfg, out))
-    return {**status, "report": str(report), "runs": len(runs), "wall_s": time.perf_counter() - start}
+    return {**status, "report": str(report), "runs": len(runs), "nonfinite": len(bad),
+            "wall_s": time.perf_counter() - start}
 
 
 def sweep_regime(cfg: SweepConfig, out: Path, *, seeds: int = 1, sequences: int = 256) -> dict[str, dict]:
     """The calibration table of each mismatch setting of the grid, on the sweep's problem and
     policy at initialisation (cached in ``out/regime.json``)."""
-    from dataclasses import replace
 
     from pdm_lab.envs.transfer.calibrate import toy_table
     from pdm_lab.envs.sweep.grid import compose
@@ -82,14 +102,27 @@ def sweep_regime(cfg: SweepConfig, out: Path, *, seeds: int = 1, sequences: int 
     tables = {}
     for spec in cfg.mismatches:
         name = compose(spec, cfg.base_mismatch)
-        if name not in cached:
-            audit = AuditConfig(problem=b.problem, policy=b.policy, hidden=b.hidden, mismatch=name,
-                                sequences=sequences, group_size=b.group_size, delta=b.mask.delta, k=b.mask.k,
-                                convention=b.mask.convention)
-            cached[name] = toy_table(replace(audit, mismatch=name), seeds)
+        audit = AuditConfig(problem=b.problem, policy=b.policy, hidden=b.hidden, mismatch=name,
+                            sequences=sequences, group_size=b.group_size, delta=b.mask.delta, k=b.mask.k,
+                            convention=b.mask.convention)
+        key = regime_key(audit, seeds)
+        entry = cached.get(key)
+        if not isinstance(entry, dict) or "table" not in entry:
+            entry = {"mismatch": name, "seeds": seeds, "config": _audit_dict(audit), "table": toy_table(audit, seeds)}
+            cached[key] = entry
             write_json_atomic(path, cached)
-        tables[name] = cached[name]
+        tables[name] = entry["table"]
     return tables
+
+
+def regime_key(audit: AuditConfig, seeds: int) -> str:
+    """The regime cache's key: the full specification the table was computed from (the parsed
+    mismatch with every parameter, the problem, the policy, the batch, δ, K and the seeds), so a
+    changed parameter behind the same mismatch name never reuses a stale table."""
+    import hashlib
+
+    doc = {"config": _audit_dict(audit), "seeds": seeds}
+    return hashlib.sha1(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _audit_dict(cfg: AuditConfig) -> dict:

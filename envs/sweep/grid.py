@@ -57,12 +57,15 @@ class SweepConfig:
     """first seed."""
 
     def __post_init__(self) -> None:
-        for spec in (*self.mismatches, self.base_mismatch):
-            Mismatch.parse(spec)  # unknown kinds or bad strengths fail here, not in a worker
-        for rule in self.rules:
-            replace(self.base.mask, rule=rule)  # MaskConfig validates the rule name
-        for convention in self.conventions:
-            replace(self.base.mask, convention=convention)
+        axes = [("mismatches", spec, Mismatch.parse) for spec in self.mismatches]  # not in a worker
+        axes.append(("base_mismatch", self.base_mismatch, Mismatch.parse))
+        axes += [("rules", rule, lambda r: replace(self.base.mask, rule=r)) for rule in self.rules]
+        axes += [("conventions", c, lambda c: replace(self.base.mask, convention=c)) for c in self.conventions]
+        for name, value, check in axes:
+            try:
+                check(value)
+            except ValueError as err:  # named by the sweep's field, not the cell's
+                raise ConfigError(f"{name}: {err}") from None
         vocab = self.base.problem.vocab_size
         if max(self.ks) > vocab:
             raise ConfigError(f"ks: K = {max(self.ks)} exceeds the vocabulary (base.problem."
