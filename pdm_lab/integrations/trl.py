@@ -16,7 +16,18 @@ Three overrides, the fewest TRL 1.16 allows (it has no hook for a custom mask):
 * ``_generate_and_score_completions`` — adds [B, T, K] ``pdm_topk_ids``/``pdm_topk_logp`` and [B, T]
   ``pdm_mu_logp`` to TRL's batch dict; TRL shuffles and splits them with the rest.
 * ``_compute_loss`` — π on the support through ``policy_on_support`` (chunked gather: no [B·T, V]
-  float32 log-softmax), then ``pdm_policy_loss``; its metrics go to TRL's logs as ``pdm/...``.
+  float32 log-softmax), then ``pdm_policy_loss`` with the whole ``MaskConfig`` (rule, δ, K, the
+  support convention, the sequence rules' fields, the cap, the aggregation) and the batch's
+  data-parallel counts (``DPInfo``: TRL's ``num_items_in_batch`` and the sequences with a response
+  token, scaled to one accumulation window, ``world`` = the processes whose gradients Accelerate
+  averages — the normalisation TRL's ``dapo`` loss applies); its metrics go to TRL's logs as
+  ``pdm/...``.
+
+The engine's sampling mask (``keep_sampling_mask``, default on when the generation cuts: TRL's
+``top_p < 1``, ``top_k > 0`` or ``min_p > 0``, ``generation_kwargs`` included): π is taken over
+the tokens the generator could sample, renormalised (``pdm_lab.sampling_mask``). The resolved
+mask config, convention included, and the sampling mask are written to
+``output_dir/pdm_config.json`` when training starts.
 
 ``audit=LiveAuditConfig(every=N, …)`` runs the direction audit (SPEC §6c) on every N-th training
 generation batch (``trl_audit.py``): ``output_dir/audit.jsonl`` and ``pdm/audit/...`` in the logs.
@@ -26,14 +37,22 @@ requires. Tested with the TRL versions in ``pdm_lab.integrations.versions.TESTED
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
+from ..aggregation import DPInfo
 from ..audit_live import LiveAuditConfig
+from ..config import to_dict
 from pdm_lab.mask_config import MaskConfig
 from ..engine_topk import EngineTopK, pad_responses, topk_from_ranked
 from ..loss import pdm_policy_loss
 from ..policy_side import policy_on_support
+from ..sampling_mask import SamplingMask, engine_kept, on_sampling_set
 from ..support import support_from_topk, topk_lower_id_ties
 from .versions import require_version
 
@@ -42,6 +61,9 @@ TRL_VERSION = require_version("trl")
 from trl import GRPOTrainer  # noqa: E402
 
 TOPK_KEYS = ("pdm_topk_ids", "pdm_topk_logp", "pdm_mu_logp")
+#: The batch's count of sequences with a response token, over every process (a scalar, as
+#: TRL's own ``num_items_in_batch``): the ``seq-mean-*`` aggregations' normaliser.
+NUM_SEQS_KEY = "pdm_num_seqs"
 
 
 def rows_from_scores(scores: list[Tensor], sampled: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -72,16 +94,52 @@ class PDMGRPOTrainer(GRPOTrainer):
     penalty (``beta``) must be 0 and multimodal/tool rollouts are not supported (clear errors).
     """
 
-    def __init__(self, *args, mask: MaskConfig | None = None, audit: LiveAuditConfig | None = None, **kwargs):
+    def __init__(self, *args, mask: MaskConfig | None = None, audit: LiveAuditConfig | None = None,
+                 keep_sampling_mask: bool | None = None, **kwargs):
         self.pdm_mask = mask or MaskConfig()
         self.pdm_audit = audit or LiveAuditConfig()
         self._pdm_audit_batches = 0
+        if keep_sampling_mask not in (None, True, False):
+            raise ValueError(f"PDMGRPOTrainer: keep_sampling_mask must be True, False or None, got {keep_sampling_mask!r}")
         super().__init__(*args, **kwargs)
         if self.beta != 0.0:
             raise ValueError("PDMGRPOTrainer: set GRPOConfig(beta=0.0); the KL penalty is not part of pdm_lab's loss")
         if self.use_vllm:
             self.vllm_generation.logprobs = self.pdm_mask.k  # top-K processed log-probs per position
+        if self.pdm_mask.aggregation == "seq-mean-token-sum-norm" and self.pdm_mask.horizon is None:
+            # TRL's Dr. GRPO horizon: the completion budget, not each micro-batch's padded length
+            self.pdm_mask = dataclasses.replace(self.pdm_mask, horizon=self.max_completion_length)
+        cut = self._generation_cut()
+        self.pdm_sampling = cut if cut.active and keep_sampling_mask is not False else None
         self._pdm_rollout: list[tuple[Tensor, Tensor, Tensor]] = []
+        self._pdm_scores_config = None
+
+    def _generation_cut(self) -> SamplingMask:
+        """The cut the generator samples with: TRL's ``top_k``/``top_p``/``min_p``, overridden by
+        ``generation_kwargs`` as TRL overrides them (HF: the ``generation_config`` it built)."""
+        if not self.use_vllm and getattr(self, "generation_config", None) is not None:
+            return SamplingMask.from_mapping(self.generation_config)
+        params = {"top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
+        extra = self.args.generation_kwargs if isinstance(self.args.generation_kwargs, dict) else {}
+        params.update({key: extra[key] for key in params if key in extra})
+        return SamplingMask.from_mapping(params)
+
+    def pdm_record(self) -> dict:
+        """What this run's mask is, resolved: the ``MaskConfig`` (every field, convention included),
+        the sampling mask (None: π is the full softmax) and how the loss is normalised."""
+        return {"mask": to_dict(self.pdm_mask),
+                "sampling_mask": None if self.pdm_sampling is None else self.pdm_sampling.as_dict(),
+                "dp": {"processes": self.accelerator.num_processes,
+                       "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                       "steps_per_generation": self.args.steps_per_generation},
+                "generation": "vllm" if self.use_vllm else "transformers"}
+
+    def train(self, *args, **kwargs):
+        if self.accelerator.is_main_process:
+            out = Path(self.args.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "pdm_config.json").write_text(json.dumps(self.pdm_record(), indent=2) + "\n")
+        return super().train(*args, **kwargs)
 
     # --- generation: keep μ's top-K --------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -120,8 +178,7 @@ class PDMGRPOTrainer(GRPOTrainer):
                                          gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
                                          ) as unwrapped, torch.no_grad(), \
                 self._dist.summon_full_params(self.model_wrapped, recurse=False):
-            out = unwrapped.generate(**inputs, generation_config=self.generation_config,
-                                     output_scores=True, return_dict_in_generate=True)
+            out = unwrapped.generate(**inputs, generation_config=self._scores_config())
         completion = out.sequences[:, inputs["input_ids"].size(1):]
         top_ids, top_lp, mu_k = rows_from_scores(list(out.scores), completion, k)
         is_eos = torch.isin(completion, torch.tensor(self.eos_token_ids, device=device))
@@ -134,6 +191,15 @@ class PDMGRPOTrainer(GRPOTrainer):
                                       sampled=completion[i, :n].cpu(), sampled_logp=mu_k[i, :n].cpu()))
         self._pdm_rollout = rollout
         return completion_ids, None
+
+    def _scores_config(self):
+        """TRL's ``generation_config`` asking for the processed scores too (one config object:
+        transformers deprecates a config passed with generation keyword arguments beside it)."""
+        if self._pdm_scores_config is None:
+            cfg = copy.deepcopy(self.generation_config)
+            cfg.output_scores, cfg.return_dict_in_generate = True, True
+            self._pdm_scores_config = cfg
+        return self._pdm_scores_config
 
     # --- the batch: carry the top-K with TRL's keys ---------------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -148,6 +214,8 @@ class PDMGRPOTrainer(GRPOTrainer):
         output["pdm_topk_ids"] = batch.ids.to(device)
         output["pdm_topk_logp"] = batch.logp.to(device)
         output["pdm_mu_logp"] = batch.sampled_logp.to(device)
+        with_tokens = (output["completion_mask"].sum(dim=1) > 0).sum()
+        output[NUM_SEQS_KEY] = self.accelerator.gather(with_tokens).sum()
         self._pdm_rollout = []
         if self.pdm_audit.every and self.model.training:  # SPEC §6c on the fresh batch, before any step
             self._pdm_audit_batches += 1
@@ -158,6 +226,21 @@ class PDMGRPOTrainer(GRPOTrainer):
         return output
 
     # --- the loss: pdm_lab's ---------------------------------------------------------------------
+    def pdm_dp(self, inputs) -> DPInfo | None:
+        """The counts this micro-batch's loss is normalised by: the generation batch's tokens
+        (TRL's ``num_items_in_batch``) and sequences over every process, scaled to one
+        accumulation window (training: ``gradient_accumulation_steps / steps_per_generation`` of
+        the batch), and the processes whose gradients are averaged. None for rows without TRL's
+        counts (the audit's own micro-batches, which it weights itself): this batch alone."""
+        if "num_items_in_batch" not in inputs:
+            return None
+        mode = "train" if self.model.training else "eval"
+        window = self.current_gradient_accumulation_steps / self.args.steps_per_generation if mode == "train" else 1.0
+        tokens = inputs["num_items_in_batch"].double().clamp(min=1.0) * window
+        seqs = inputs[NUM_SEQS_KEY].double().clamp(min=1.0) * window if NUM_SEQS_KEY in inputs else None
+        return DPInfo(tokens=float(tokens), sequences=None if seqs is None else float(seqs),
+                      world=self.accelerator.num_processes)
+
     def pdm_loss_output(self, model, inputs, mask: MaskConfig | None = None):
         """``LossOutput`` of ``pdm_policy_loss`` on this batch (also used by the tests; ``mask``:
         another rule's section, for the audit; default the trainer's)."""
@@ -176,10 +259,12 @@ class PDMGRPOTrainer(GRPOTrainer):
             inputs["pdm_topk_ids"].reshape(b * t, -1), inputs["pdm_topk_logp"].reshape(b * t, -1),
             completion_ids.reshape(-1), inputs["pdm_mu_logp"].reshape(-1), vocab_size=logits.size(-1),
             k=mask.k, convention=mask.convention, row_mask=flat)
-        pi = policy_on_support(logits.reshape(b * t, -1), support.ids, temperature=self.temperature)
+        pi = policy_on_support(logits.reshape(b * t, -1), support.ids, temperature=self.temperature,
+                               sampling=self.pdm_sampling, keep_on_support=engine_kept(support))
+        support = on_sampling_set(support, pi.tail_count)
         advantages = inputs["advantages"]
         advantages = (advantages[:, None] if advantages.dim() == 1 else advantages).expand(b, t).float()
-        return pdm_policy_loss(pi, support, advantages, resp, mask)
+        return pdm_policy_loss(pi, support, advantages, resp, mask, dp=self.pdm_dp(inputs))
 
     def _compute_loss(self, model, inputs):
         out = self.pdm_loss_output(model, inputs)
@@ -188,5 +273,4 @@ class PDMGRPOTrainer(GRPOTrainer):
         for key, value in out.metrics.items():
             if not torch.isnan(value):  # NaN: nothing counted in this micro-batch (n/a), not a 0
                 self._metrics[mode][f"pdm/{key}"].append(float(value))
-        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        return out.loss / normalizer
+        return out.loss  # normalised for the accumulation window by its DPInfo (pdm_dp)

@@ -27,7 +27,8 @@ def tiny_dir(tmp_path_factory):
 
 def _train(tiny_dir, out, audit: LiveAuditConfig | None):
     # μ is the generating model itself, so D > 0 only where sampling cut μ: top-k 4 renormalises μ
-    # on 4 tokens (the rest −inf, a legal zero), D = −log π(top 4) there
+    # on 4 tokens (the rest −inf, a legal zero), D = −log π(top 4) there — with the sampling mask
+    # off (keep_sampling_mask=False), so that the cut stays a mismatch for the audit to find
     from trl import GRPOConfig
 
     from pdm_lab.integrations.trl import PDMGRPOTrainer
@@ -36,7 +37,8 @@ def _train(tiny_dir, out, audit: LiveAuditConfig | None):
                       max_steps=2, learning_rate=5e-2, beta=0.0, temperature=1.0, top_k=4, top_p=1.0, logging_steps=1,
                       report_to=[], use_cpu=True, seed=0, save_strategy="no", bf16=False)
     trainer = PDMGRPOTrainer(model=str(tiny_dir), reward_funcs=_reward, args=args, train_dataset=_dataset(),
-                             mask=MaskConfig(rule="pdm_topk", delta=0.02, k=K), audit=audit)
+                             mask=MaskConfig(rule="pdm_topk", delta=0.02, k=K), audit=audit,
+                             keep_sampling_mask=False)
     trainer.train()
     return trainer
 

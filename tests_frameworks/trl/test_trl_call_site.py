@@ -54,7 +54,7 @@ def test_the_trainers_loss_path_is_the_cores_loss(rule):
               "completion_ids": batch.topk.sampled, "completion_mask": batch.response_mask.long(),
               "pdm_topk_ids": batch.topk.ids, "pdm_topk_logp": batch.topk.logp, "pdm_mu_logp": batch.topk.sampled_logp,
               "advantages": batch.advantages[:, 0]}
-    trainer = SimpleNamespace(pdm_mask=cfg, temperature=1.0)
+    trainer = SimpleNamespace(pdm_mask=cfg, temperature=1.0, pdm_sampling=None, pdm_dp=lambda inputs: None)
     out = PDMGRPOTrainer.pdm_loss_output(trainer, _Logits(batch.logits.reshape(b, t, -1)), inputs)
     (grad,) = torch.autograd.grad(out.loss, batch.logits)
     torch.testing.assert_close(out.loss, core.loss, rtol=1e-12, atol=1e-15)
