@@ -128,7 +128,8 @@ def _surrogate_and_metrics(pi_logp: Tensor, mu_logp: Tensor, k_index: Tensor, ad
     per_token = token_surrogate(logp_k, mu_logp_k, adv, keep, clip_ratio_c)
     loss = aggregate(per_token.reshape(response_mask.shape), response_mask, aggregation, horizon, dp=dp)
     resp = response_mask.reshape(-1).bool()
-    return loss, step_metric_sums(stats, keep, adv, resp, None, outside=outside, estimator=estimator)
+    return loss, step_metric_sums(stats, keep, adv, resp, None, outside=outside, estimator=estimator,
+                                  cap=clip_ratio_c, layout=tuple(response_mask.shape))
 
 
 def _as_tensors(dp: DPInfo | None) -> DPInfo | None:

@@ -155,8 +155,11 @@ MISMATCH_KEYS = {"div/topk_kl_mean": "mismatch/topk_kl_mean", "div/topk_kl_max":
 
 
 def as_mismatch(sums: Mapping[str, Metric]) -> MetricSums:
-    """Step metrics of the batch before any update, as ``mismatch/*`` keys (``MISMATCH_KEYS``)."""
-    return rename(sums, MISMATCH_KEYS)
+    """Step metrics of the batch before any update, as ``mismatch/*`` keys (``MISMATCH_KEYS``),
+    and the rollout-correction ones under verl's ``rollout_corr/*`` keys (``ROLLOUT_CORR_KEYS``)."""
+    from .rollout_corr import ROLLOUT_CORR_KEYS
+
+    return {**rename(sums, MISMATCH_KEYS), **rename(sums, ROLLOUT_CORR_KEYS)}
 
 
 def all_reduce_metrics(sums: Mapping[str, Metric], group=None) -> MetricSums:
@@ -208,17 +211,25 @@ def sign_certified(stats: "TokenStats") -> Tensor:
 
 @torch.no_grad()
 def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tensor, response: Tensor,
-                     cfg: Any, *, outside: Tensor | None = None, estimator: str | None = None) -> MetricSums:
+                     cfg: Any, *, outside: Tensor | None = None, estimator: str | None = None,
+                     cap: Any = None, layout: tuple[int, int] | None = None) -> MetricSums:
     """Metrics over response tokens as sums: mask fractions, region, direction disagreement (of
-    the rule's own Ḋ estimator, ``cfg.direction_estimator``), D, tails, r.
+    the rule's own Ḋ estimator, ``cfg.direction_estimator``), D, tails, r, and the
+    rollout-correction metrics ``corr/*`` (``pdm_lab.rollout_corr``).
 
     Args: stats [N]; keep [N] 1/0 or None (no mask yet: the ``mask/frac_dropped*`` keys are left
     out); advantages [N]; response [N] bool; cfg a ``MaskConfig`` (δ, δ_neg, estimator);
     outside: [N] bool, the response tokens outside the region, when the caller has them;
     estimator: the Ḋ estimator (default ``cfg.direction_estimator``). With both, cfg is unused.
-    The key set depends only on ``keep is None``, ``stats.full_kl`` and the estimator, so every
-    rank of a run holds the same keys.
+    cap: the ratio cap c of the importance weight (default ``cfg.clip_ratio_c`` when cfg is
+    given); layout: (B, T) of the N rows, for the per-sequence keys (None: left out).
+    The key set depends only on ``keep is None``, ``stats.full_kl``, the estimator, ``cap is
+    None`` and ``layout is None``, so every rank of a run holds the same keys.
     """
+    from .rollout_corr import rollout_corr_sums
+
+    if cap is None and cfg is not None:
+        cap = cfg.clip_ratio_c
     response = response.bool()
     if outside is None:
         outside = outside_region(stats.topk_kl, advantages, cfg) & response
@@ -250,6 +261,7 @@ def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tenso
     if estimator in stats.ddot:
         metrics["mask/dir_disagree"] = mean_of(direction_disagreement(stats, estimator), outside, n_out)
     metrics["mask/ddot_sign_certified"] = mean_of(sign_certified(stats), outside, n_out)
+    metrics.update(rollout_corr_sums(stats.log_ratio, response, n, keep=keep, cap=cap, layout=layout))
     return metrics
 
 

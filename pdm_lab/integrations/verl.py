@@ -63,9 +63,11 @@ def pdm_verl_loss(rule: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     cfg, dp = loss_setup(config, rule, loss_agg_mode)
     support, pi = sampled_token_view(old_log_prob.reshape(-1).to(log_prob.dtype), log_prob.reshape(-1))
     out = pdm_policy_loss(pi, support, advantages.to(log_prob.dtype), response_mask.bool(), cfg, dp=dp)
-    # one-slot support: the top-K and Ḋ metrics would describe S = {k}, so only these are reported;
-    # on S = {k} the top-K KL is the binary KL (μ_T = 1 − μ_k, π_T = 1 − π_k)
-    shown = {k: v for k, v in out.metrics.items() if k.startswith(("mask/frac_dropped", "ratio/", "tokens/"))}
+    # one-slot support: the top-K and Ḋ metrics would describe S = {k}, so only these are reported
+    # (corr/*: verl's rollout-correction metrics, functions of log r alone); on S = {k} the top-K
+    # KL is the binary KL (μ_T = 1 − μ_k, π_T = 1 − π_k)
+    shown = {k: v for k, v in out.metrics.items()
+             if k.startswith(("mask/frac_dropped", "ratio/", "tokens/", "corr/"))}
     shown["div/binary_kl_mean"] = out.metrics["div/topk_kl_mean"]
     return out.loss, {f"actor/pdm/{k}": float(v) for k, v in shown.items()}
 
