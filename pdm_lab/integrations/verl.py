@@ -27,7 +27,7 @@ import torch
 
 from ..loss import pdm_policy_loss
 from .sampled_token import sampled_token_rules, sampled_token_view
-from .verl_config import LOSS_PREFIX, TOPK_ENV, loss_setup, mask_config  # noqa: F401  (re-exported)
+from .verl_config import LOSS_PREFIX, TOPK_ENV, loss_setup, mask_config, record_once, sampling_setup  # noqa: F401
 from .versions import require_version
 
 VERL_VERSION = require_version("verl")
@@ -45,6 +45,10 @@ class PDMPolicyLossConfig(PolicyLossConfig):
     """
 
     mask: dict = dataclasses.field(default_factory=dict)
+    sampling_mask: dict = dataclasses.field(default_factory=dict)
+    """The rollout's top_k/top_p/min_p (``pdm_lab.sampling_mask``): the top-K rules take π over
+    the tokens the engine could sample. Sampled-token rules refuse a cutting one (verl hands them
+    log π_k of the full softmax, with no cut mass to renormalise by)."""
 
 
 def pdm_verl_loss(rule: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -61,6 +65,11 @@ def pdm_verl_loss(rule: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
         raise ValueError(f"{LOSS_PREFIX}{rule}: rollout_is_weights given; pdm_lab's rules replace IS "
                          "weighting (set algorithm.rollout_correction.rollout_is=null)")
     cfg, dp = loss_setup(config, rule, loss_agg_mode)
+    if sampling_setup(config) is not None:
+        raise ValueError(f"{LOSS_PREFIX}{rule}: policy_loss.sampling_mask cuts, but a sampled-token loss sees log π_k "
+                         "of verl's full softmax; use a top-K rule with PDM_LAB_VERL_TOPK to renormalise π over the "
+                         "engine's sampling set")
+    record_once(cfg, None, "sampled_token")
     support, pi = sampled_token_view(old_log_prob.reshape(-1).to(log_prob.dtype), log_prob.reshape(-1))
     out = pdm_policy_loss(pi, support, advantages.to(log_prob.dtype), response_mask.bool(), cfg, dp=dp)
     # one-slot support: the top-K and Ḋ metrics would describe S = {k}, so only these are reported

@@ -31,6 +31,7 @@ from ..engine_topk import EngineTopK, pad_responses, topk_from_dicts
 from ..loss import pdm_policy_loss
 from ..padding import PAD_ID, PAD_LOGP, pad_to_length, policy_with_padding_rows
 from ..policy_side import policy_on_support
+from ..sampling_mask import engine_kept, on_sampling_set
 from ..support import support_from_topk
 from .versions import require_version
 
@@ -38,7 +39,7 @@ VERL_VERSION = require_version("verl")
 
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
-from .verl_config import loss_setup  # noqa: E402
+from .verl_config import loss_setup, record_once, sampling_setup  # noqa: E402
 
 TOPK_KEYS = ("rollout_topk_ids", "rollout_topk_logp")
 
@@ -100,9 +101,12 @@ def topk_policy_loss(config: Any, logits: Tensor, data: Any, *, rule: str, tempe
         rule: the mask rule; temperature: the rollout's.
 
     π on the support is computed on the logits' own rows (the support's ids scattered to the row
-    that predicts each response token, −1 elsewhere), chunked: no [B, T, V] copy of the logits.
+    that predicts each response token, −1 elsewhere), chunked: no [B, T, V] copy of the logits;
+    over the engine's sampling set when ``policy_loss.sampling_mask`` cuts (``pdm_lab.sampling_mask``).
     """
     cfg, dp = loss_setup(config, rule, loss_agg_mode)
+    sampling = sampling_setup(config)
+    record_once(cfg, sampling, "topk")
     rows, valid = _response_rows(data, logits.shape[0], logits.device)
     b, t = rows.shape
     v = logits.shape[1]
@@ -126,9 +130,17 @@ def topk_policy_loss(config: Any, logits: Tensor, data: Any, *, rule: str, tempe
     ids_rows = torch.full((logits.shape[0], support.ids.shape[1]), PAD_ID, dtype=support.ids.dtype,
                           device=logits.device)
     ids_rows[row_of] = support.ids[have]
-    on_rows = policy_on_support(logits, ids_rows, temperature=temperature)
+    keep_rows = None
+    if sampling is not None:
+        keep_rows = torch.zeros(ids_rows.shape, dtype=torch.bool, device=logits.device)
+        keep_rows[row_of] = engine_kept(support)[have].to(logits.device)
+    on_rows = policy_on_support(logits, ids_rows, temperature=temperature, sampling=sampling,
+                                keep_on_support=keep_rows)
     pi_have = type(on_rows)(logp=on_rows.logp[row_of], tail_logp=on_rows.tail_logp[row_of],
                             tail_log_sumsq=on_rows.tail_log_sumsq[row_of])
     pi = policy_with_padding_rows(support, have, pi_have)
+    if sampling is not None:
+        count = support.tail_count.index_put((have,), on_rows.tail_count[row_of].to(support.tail_count.device))
+        support = on_sampling_set(support, count)
     out = pdm_policy_loss(pi, support, data["advantages"].to(pi.logp.dtype), resp, cfg, dp=dp)
     return out.loss, {f"actor/pdm/{key}": float(val) for key, val in out.metrics.items()}
