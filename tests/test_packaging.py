@@ -1,0 +1,86 @@
+"""The package as a user installs it: the wheel builds without setuptools' warnings, holds every
+package folder of the tree and the shipped configs, and — installed into a fresh virtual
+environment (no network: the wheel with --no-deps, the dependencies already installed here made
+visible through a .pth file) — runs ``pdm-lab train --dry-run`` on a packaged config, importing
+pdm_lab from that environment, not from this checkout."""
+from __future__ import annotations
+
+import os
+import re
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+#: where each top-level folder installs (pyproject's package-dir)
+ROOTS = {"pdm_lab": "pdm_lab", "proofs": "pdm_lab/proofs", "envs": "pdm_lab/envs", "scaling": "pdm_lab/scaling"}
+
+
+def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    env.update(kwargs.pop("env", {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    build = tmp_path_factory.mktemp("cwd")  # pip runs outside the checkout (setuptools still writes
+    # its build/ folder beside pyproject.toml, which git ignores)
+    proc = _run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-v",
+                 "-w", str(out)], cwd=build)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = out.glob("pdm_lab-*.whl")
+    return path, proc.stdout + proc.stderr
+
+
+def test_the_wheel_builds_without_setuptools_package_warnings(wheel):
+    _, log = wheel
+    # setuptools' warnings about the package layout: a data folder not listed in `packages`, a
+    # folder installed as data, a package missing from the configuration
+    for pattern in (r"absent from the `packages` configuration", r"as data is deprecated",
+                    r"Package '[^']+' is absent", r"SetuptoolsDeprecationWarning"):
+        assert not re.search(pattern, log), re.search(pattern, log).group(0)
+
+
+def test_the_wheel_holds_every_package_folder_and_the_configs(wheel):
+    path, _ = wheel
+    names = set(zipfile.ZipFile(path).namelist())
+    for folder, target in ROOTS.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.relative_to(REPO / folder).as_posix()
+            if "__pycache__" in rel:
+                continue
+            assert f"{target}/{rel}" in names, f"{folder}/{rel} is not in the wheel"
+    configs = sorted(p.name for p in (REPO / "scaling" / "configs").glob("*.yaml"))
+    assert configs and all(f"pdm_lab/scaling/configs/{name}" in names for name in configs)
+
+
+def test_a_fresh_install_runs_a_dry_run_on_a_packaged_config(wheel, tmp_path):
+    path, _ = wheel
+    venv = tmp_path / "venv"
+    proc = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    assert proc.returncode == 0, proc.stderr
+    python = venv / "bin" / "python"
+    proc = _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", str(path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the dependencies (torch, transformers, …) from this environment, after the venv's own
+    # site-packages: a path line in a .pth does not run this environment's editable-install hooks
+    purelib = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    (purelib / "zz_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    where = _run([str(python), "-c", "import pdm_lab, importlib.resources as r; print(pdm_lab.__file__); "
+                  "print(r.files('pdm_lab.scaling.configs') / 'tiny-cpu.yaml')"], cwd=tmp_path)
+    assert where.returncode == 0, where.stderr[-3000:]
+    module, config = where.stdout.split()
+    assert Path(module).is_relative_to(venv) and Path(config).is_relative_to(venv), where.stdout
+    proc = _run([str(venv / "bin" / "pdm-lab"), "train", "--config", config, "--dry-run"], cwd=tmp_path,
+                env={"PDM_LAB_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"[dry-run] {config}: ok" in proc.stdout
