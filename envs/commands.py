@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pdm_lab.runtime.cli import int_at_least, integer
 from pdm_lab.config import ConfigError, from_dict, to_dict
+from pdm_lab.runtime.wandb_log import add_wandb_arguments, wandb_config_from_args
 from pdm_lab.runtime.yaml_config import apply_overrides, read_yaml
 
 #: Exit status of a command that finished but some of whose runs went non-finite (NaN or inf
@@ -36,6 +37,7 @@ def _add_config_arguments(p: argparse.ArgumentParser, presets: dict, default: st
     config_class = type(next(iter(presets.values())))
     p.add_argument("--seeds", type=integer(field=(config_class, "seeds")), help="seeds (same as seeds=N)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_wandb_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help=OVERRIDES_HELP)
 
 
@@ -150,7 +152,7 @@ def audit_main(args: argparse.Namespace) -> int:
     cfg = _config_or_exit(AUDIT_PRESETS, args, "audit")
     # torch's own thread count (the cores): the audit's float64 [10⁵, n] passes use them all
     out = args.out or Path("runs") / f"audit-{args.preset}"
-    doc = audit_to_dir(cfg, out, progress=not args.quiet)
+    doc = audit_to_dir(cfg, out, progress=not args.quiet, wandb=wandb_config_from_args(args))
     pair = doc["pairs"][0]
     a, b, d = pair["a"], pair["b"], pair["unsafe_keep_diff"]
     print(f"unsafe-keep {a} {pair[a]['unsafe_keep_mean']:.3f} vs {b} {pair[b]['unsafe_keep_mean']:.3f}; "
@@ -177,7 +179,7 @@ def sweep_main(args: argparse.Namespace) -> int:
     executor = make_executor(args.executor, args.workers, args.ray_address)
     try:
         status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet,
-                              force=args.force, move_aside=args.move_aside)
+                              force=args.force, move_aside=args.move_aside, wandb=wandb_config_from_args(args))
     except ResultsError as err:  # a results folder that cannot be used: bad input, exit status 2
         print(f"pdm-lab sweep: error: {err}", file=sys.stderr)
         return 2

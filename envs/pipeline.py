@@ -16,8 +16,9 @@ from pdm_lab.envs.sweep.grid import SweepConfig, claim_out, load_runs, run_sweep
 from pdm_lab.runtime.outputs import OutputPathError, move_aside as outputs_move_aside
 
 
-def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True) -> dict:
-    """Run the audit; write audit.json, audit figures and audit.md into ``out``."""
+def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True, wandb=None) -> dict:
+    """Run the audit; write audit.json, audit figures and audit.md into ``out`` (and to W&B when
+    ``wandb``, a ``WandbConfig``, is on: ``envs.report.to_wandb``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     doc = run_audit(cfg, progress_bar=progress, seed_dir=out / "seeds")
@@ -26,16 +27,21 @@ def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True) ->
     write_report(out / "audit.md", title="pdm_lab direction audit",
                  intro=["Produced by `pdm-lab audit`; the numbers are in audit.json."],
                  audit=doc, audit_figs=figs)
+    if wandb is not None and wandb.enabled:
+        from pdm_lab.envs.report.to_wandb import log_audit
+
+        log_audit(wandb, cfg, doc, out, figs)
     return doc
 
 
 def sweep_to_dir(cfg: SweepConfig, out: str | Path, *, executor=None, audit: AuditConfig | None = None,
                  progress: bool = True, title: str = "pdm_lab toy sweep", force: bool = False,
-                 move_aside: bool = False) -> dict:
+                 move_aside: bool = False, wandb=None) -> dict:
     """Run (or resume) the sweep, optionally the audit, then the table, figures and report.md
     (``force``: over another grid's results; ``move_aside``: another grid's folder is renamed
     ``<out>.<UTC time>`` first; see ``sweep.claim_out``). Returns the status, with ``moved_to``
-    when a folder was moved aside."""
+    when a folder was moved aside. ``wandb``: a ``WandbConfig`` (``envs.report.to_wandb``: one
+    W&B run per cell × seed and one report run)."""
     out = Path(out)
     moved = None
     if move_aside and not force:
@@ -46,12 +52,12 @@ def sweep_to_dir(cfg: SweepConfig, out: str | Path, *, executor=None, audit: Aud
                 moved = outputs_move_aside(out)
     claim_out(cfg, out, force=force)  # before the lock: a refused sweep leaves nothing in out
     with DirLock(out, what="sweep output"):  # held through the report too (re-entrant)
-        status = _sweep_to_dir_locked(cfg, out, executor, audit, progress, title, force)
+        status = _sweep_to_dir_locked(cfg, out, executor, audit, progress, title, force, wandb)
     return {**status, "moved_to": str(moved) if moved else None}
 
 
 def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConfig | None,
-                         progress: bool, title: str, force: bool) -> dict:
+                         progress: bool, title: str, force: bool, wandb=None) -> dict:
     start = time.perf_counter()
     status = run_sweep(cfg, out, executor=executor, progress=progress, force=force)
     audit_doc, audit_figs = None, None
@@ -82,9 +88,14 @@ def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConf
                         "`nonfinite` in results.csv, counted as collapsed, final reward NaN): "
                         + ", ".join(f"{r['rule']} {r['mismatch']} δ {r['delta']:g} seed {r['seed']}" for r in bad[:10])
                         + (" …" if len(bad) > 10 else "") + ".")
+    regime = sweep_regime(cfg, out)
     report = write_report(out / "report.md", title=title, intro=intro, rows=[r["row"] for r in runs],
-                          sweep_figs=figs, audit=audit_doc, audit_figs=audit_figs,
-                          regime=sweep_regime(cfg, out))
+                          sweep_figs=figs, audit=audit_doc, audit_figs=audit_figs, regime=regime)
+    if wandb is not None and wandb.enabled:
+        from pdm_lab.envs.report.to_wandb import log_sweep
+
+        images = {**{f"sweep/{k}": v for k, v in figs.items()}, **{f"audit/{k}": v for k, v in (audit_figs or {}).items()}}
+        status = {**status, "wandb_runs": log_sweep(wandb, cfg, out, regime=regime, audit_doc=audit_doc, images=images)}
     return {**status, "report": str(report), "runs": len(runs), "nonfinite": len(bad),
             "wall_s": time.perf_counter() - start}
 

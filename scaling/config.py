@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pdm_lab.audit_live import LiveAuditConfig as AuditConfig
 from pdm_lab.config import ConfigError, at_least, config_dataclass, from_dict, in_range, non_negative, one_of, positive, to_dict
 from pdm_lab.mask_config import MaskConfig
+from pdm_lab.runtime.wandb_log import WandbConfig
 from pdm_lab.runtime.yaml_config import apply_overrides, dump_yaml, read_yaml
 
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -312,7 +313,7 @@ class CheckpointConfig:
 
 @config_dataclass("log")
 class LogConfig:
-    """Metrics output (JSONL always, TensorBoard optionally) and the weight-sync check."""
+    """Metrics output (JSONL always, TensorBoard and W&B optionally) and the weight-sync check."""
 
     tensorboard: bool = True
     """Also write TensorBoard event files under run_dir/tb."""
@@ -326,6 +327,9 @@ class LogConfig:
     trainer dtypes times (1 + max |log π|); off for fp8 rollouts, whose mismatch is intended)."""
     print_every: Annotated[int, at_least(1)] = 1
     """Progress line every this many steps."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """Weights & Biases (``pdm_lab.runtime.wandb_log``): off by default; ``log.wandb.mode=offline``
+    or a ``project`` turns it on (offline unless ``mode: online``)."""
 
 
 @config_dataclass("launch")

@@ -151,7 +151,7 @@ def resume(run: Run) -> None:
         run.start = extra["step"]
         say(f"[train] resumed from {ckpt} at step {run.start}")
     run.log = MetricsLog(run.run_dir, tensorboard=cfg.log.tensorboard, resume_step=run.start,
-                         enabled=run.lay.is_main)
+                         enabled=run.lay.is_main, config=cfg)
     # for `pdm-lab calibrate --from-run`
     run.mismatch_sample = MismatchSample(run.run_dir, enabled=run.lay.is_main)
 
