@@ -13,7 +13,7 @@ from .aggregation import DPInfo, aggregate
 from .fast.compiled import compile_default, maybe_compiled, one_thread
 from pdm_lab.mask_config import MaskConfig
 from .errors import PDMInputError, check_same, check_tensor
-from .loss_checks import check_loss_inputs
+from .loss_checks import check_loss_finite, check_loss_inputs
 from .masks import compute_mask, get_mask_rule, outside_region
 from .metrics import MetricSums, finalize, step_metric_sums
 from .policy_side import PolicyOnSupport
@@ -111,6 +111,11 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         loss, sums = maybe_compiled(_surrogate_and_metrics, True)(
             pi.logp, support.mu_logp, support.k_index, adv, keep, response_mask, stats, outside, cap,
             cfg.aggregation, horizon, cfg.direction_estimator, _as_tensors(dp))
+    if not bool(torch.isfinite(loss.detach()).all()):  # located only on failure
+        logp_k = pi.logp.gather(1, support.k_index[:, None])[:, 0]
+        mu_k = support.mu_logp.gather(1, support.k_index[:, None])[:, 0].to(logp_k.dtype)
+        per_token = token_surrogate(logp_k, mu_k, adv, keep, cfg.clip_ratio_c)
+        check_loss_finite(loss, per_token.reshape(advantages.shape), adv, (logp_k - mu_k).detach())
     return LossOutput(loss=loss, keep=keep.reshape(advantages.shape), stats=stats, metrics=finalize(sums),
                       metric_sums=sums)
 

@@ -18,6 +18,8 @@ import torch
 from pdm_lab.advantages import group_advantages
 from pdm_lab.audit import unsafe_keep_rates
 from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, one_of  # field checks
+from pdm_lab.errors import PDMInputError
+from pdm_lab.loss_checks import gradient_flags
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.metrics import MetricSums, as_mismatch, finalize_floats, merge_metrics, metric, step_metric_sums
 from pdm_lab.runtime.evidence import collapse_window
@@ -158,7 +160,7 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
     initial_reward = problem.evaluate(policy, cfg.seed, num_sequences=cfg.eval_sequences)
     curve: list[float] = []
     run_sums: MetricSums = {}  # every step's sums: the run's pooled metrics
-    nonfinite = False
+    nonfinite, why = False, ""
 
     with JsonlWriter(log_path) as log:
         for step in range(cfg.steps):
@@ -177,12 +179,23 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
                 order = torch.randperm(batch.num_sequences, generator=rng.order)
                 for rows in order.chunk(minibatches):
                     mb = tokens.select(rows)
-                    out = masked_loss(policy, mb, cfg.mask, optimizer=optimizer)
+                    try:
+                        out = masked_loss(policy, mb, cfg.mask, optimizer=optimizer)
+                    except PDMInputError as err:
+                        if not str(err).startswith("loss:"):
+                            raise
+                        nonfinite, why = True, str(err)  # a non-finite loss: the run is marked, not stepped
+                        break
                     optimizer.zero_grad(set_to_none=True)
                     out.loss.backward()
+                    grad_flags, bad_grad = gradient_flags(policy.named_parameters())
+                    parts.append(grad_flags)
+                    if bad_grad is not None:  # never step on it: the weights would take the NaN/inf
+                        nonfinite, why = True, f"non-finite gradient: {bad_grad}"
+                        break
                     optimizer.step()
                     if not all(bool(torch.isfinite(p).all()) for p in policy.parameters()):
-                        nonfinite = True  # diverged: stop here, the run counts as collapsed
+                        nonfinite, why = True, "non-finite parameters after the step"  # diverged
                         break
                     parts.append(out.metric_sums)
                     if cfg.track_unsafe_keep:  # SPEC §6 online: did the kept outside tokens' D grow?
@@ -200,6 +213,7 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
             step_sums = merge_metrics(*parts)
             run_sums = merge_metrics(run_sums, step_sums)
             record = {"step": step, "reward/mean": float(batch.rewards.mean()), **finalize_floats(step_sums),
+                      **({"nonfinite": why} if nonfinite else {}),
                       "time/elapsed_s": time.perf_counter() - start}
             curve.append(record["reward/mean"])
             log.write(record)
