@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .errors import PDMInputError
+from .fast.rowops import order_rows
 from .padding import PAD_ID, PAD_LOGP, PAD_SAMPLED, PAD_SAMPLED_LOGP, pad_to_length
 
 _FILL = {"ids": PAD_ID, "logp": PAD_LOGP, "sampled": PAD_SAMPLED, "sampled_logp": PAD_SAMPLED_LOGP}
@@ -94,11 +95,8 @@ def topk_from_entries(ids: Any, logp: Any, sampled: Any, k: int, *, response: in
     earlier = torch.ones(m, m, dtype=torch.bool).tril(-1)
     repeat = ((ids[:, :, None] == ids[:, None, :]) & earlier & ~pad[:, :, None]).any(dim=2)
     ids, logp = ids.masked_fill(repeat, PAD_ID), logp.masked_fill(repeat, PAD_LOGP)
-    # by id (padding last), then stably by log-prob descending: ties to the lower id
-    by_id = torch.where(ids < 0, torch.iinfo(torch.long).max, ids).argsort(dim=1, stable=True)
-    ids, logp = ids.gather(1, by_id), logp.gather(1, by_id)
-    by_logp = logp.argsort(dim=1, descending=True, stable=True)
-    ids, logp = ids.gather(1, by_logp)[:, :k], logp.gather(1, by_logp)[:, :k]
+    ids, logp = order_rows(ids, logp)  # μ's top-K order: log-prob descending, ties to the lower id
+    ids, logp = ids[:, :k], logp[:, :k]
     if ids.shape[1] < k:
         ids = torch.cat([ids, ids.new_full((t, k - ids.shape[1]), PAD_ID)], dim=1)
         logp = torch.cat([logp, logp.new_full((t, k - logp.shape[1]), PAD_LOGP)], dim=1)

@@ -263,10 +263,3 @@ def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tenso
     metrics["mask/ddot_sign_certified"] = mean_of(sign_certified(stats), outside, n_out)
     metrics.update(rollout_corr_sums(stats.log_ratio, response, n, keep=keep, cap=cap, layout=layout))
     return metrics
-
-
-@torch.no_grad()
-def step_metrics(stats: "TokenStats", keep: Tensor, advantages: Tensor, response: Tensor,
-                 cfg: Any) -> dict[str, Tensor]:
-    """``finalize(step_metric_sums(...))``: one batch's metrics as 0-d tensors (NaN: no token)."""
-    return finalize(step_metric_sums(stats, keep, advantages, response, cfg))

@@ -91,7 +91,8 @@ def topk_lower_id_ties(logp: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """μ's K largest entries per row, ordered by value descending, ties to the lower id.
 
     Same as a stable descending ``torch.sort(...)[:, :k]`` but one ``torch.topk`` plus a few
-    elementwise passes: ``topk`` alone breaks ties at the boundary arbitrarily.
+    elementwise passes (``topk`` alone breaks ties at the boundary arbitrarily), then the one tie
+    order, ``order_rows``.
 
     Returns: ids [N, k] int64, values [N, k].
     """
@@ -100,11 +101,9 @@ def topk_lower_id_ties(logp: Tensor, k: int) -> tuple[Tensor, Tensor]:
     at = logp == threshold
     room = k - above.sum(dim=1, keepdim=True)
     chosen = above | (at & (torch.cumsum(at, dim=1) <= room))
-    # nonzero walks rows in order and ids ascending: exactly k per row
+    # nonzero walks rows in order: exactly k per row
     ids = torch.nonzero(chosen)[:, 1].reshape(logp.shape[0], k)
-    values = logp.gather(1, ids)
-    order = torch.argsort(values, dim=1, descending=True, stable=True)
-    return ids.gather(1, order), values.gather(1, order)
+    return order_rows(ids, logp.gather(1, ids))
 
 
 def attach_sampled(top_ids: Tensor, top_logp: Tensor, sampled: Tensor, sampled_logp: Tensor,
@@ -258,48 +257,73 @@ def support_from_topk(topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor, samp
     """
     k = topk_ids.shape[1] if k is None and isinstance(topk_ids, Tensor) and topk_ids.dim() == 2 else k
     checks.check_topk_args(topk_ids, topk_logp, sampled, sampled_logp, row_mask, vocab_size, k, convention)
-    keep = None if row_mask is None else row_mask.bool()
-    inputs = (topk_ids, topk_logp, sampled, sampled_logp, keep)
+    inputs = (topk_ids, topk_logp, sampled, sampled_logp, None if row_mask is None else row_mask.bool())
     math = maybe_compiled(_engine_math, False if topk_ids.shape[0] == 0 else compiled, row_blocks=True)
     out = math(*inputs, vocab_size, k, convention)
     out_of_order = out.pop("unordered")
     bad_logp, unordered, bad_support, extra_used = out.pop("flags").tolist()
     if bad_logp:
-        _, engine_logp, _, engine_sampled_logp, _, _ = _engine_rows(*inputs)
-        checks.raise_engine_logp_error(engine_logp, engine_sampled_logp)
-    if unordered:  # rollout engines usually return rows in order: only the rows that are not
-        # (a tie broken to the higher id, common with bf16 log-probs) are sorted and redone
-        rows = torch.nonzero(out_of_order)[:, 0]
-        sub_keep = None if keep is None else keep[rows]
-        sub_ids, sub_logp, sub_sampled, sub_sampled_logp, _, _ = _engine_rows(
-            topk_ids[rows], topk_logp[rows], sampled[rows], sampled_logp[rows], sub_keep)
-        sub_ids, sub_logp = order_rows(sub_ids, sub_logp)
-        # a handful of rows runs eagerly: a compiled graph specialises (recompiles) on one row
-        redo = math if rows.numel() > compiled_mod.BLOCK_ROWS else maybe_compiled(_engine_math, False)
-        sub = redo(sub_ids, sub_logp, sub_sampled, sub_sampled_logp, sub_keep, vocab_size, k, convention)
-        sub.pop("unordered")
-        sub_bad = sub.pop("flags").tolist()[2]
-        if bad_support or sub_bad:  # the error path: pass one's flag may come from a row out of
-            # order, so the whole batch is redone in order, to name the first bad row
-            top_ids, top_logp, all_sampled, all_sampled_logp, _, _ = _engine_rows(*inputs)
-            top_ids, top_logp = top_ids.index_copy(0, rows, sub_ids), top_logp.index_copy(0, rows, sub_logp)
-            out = math(top_ids, top_logp, all_sampled, all_sampled_logp, keep, vocab_size, k, convention)
-            out.pop("unordered")
-            bad_support, extra_used = out.pop("flags").tolist()[2:]
-        else:  # every row passed: the rows redone replace theirs
-            for field in _FIELDS:  # in place: the math's outputs are its own (≥ 2 columns here)
-                out[field].index_copy_(0, rows, sub[field])
-            # whether k ∉ TopK somewhere depends on the order of a cut row: read it off S
-            extra_used = convention == "union" and bool(any_true(out["ids"][:, -1] >= 0))
+        _raise_engine_logp_error(inputs)
+    redone = None
+    if unordered:
+        out, redone, bad_support, extra_used = _redo_rows_out_of_order(
+            out, out_of_order, inputs, math, bad_support, vocab_size, k, convention)
     if bad_support:
-        top_ids, _, all_sampled, all_sampled_logp, _, _ = _engine_rows(*inputs)
-        if unordered:
-            top_ids = top_ids.index_copy(0, rows, sub_ids)
-        checks.raise_support_error(out["ids"], out["mu_logp"], all_sampled, vocab_size, out["tail_count"],
-                                   range_ids=top_ids[:, :k], sampled_logp=all_sampled_logp)
+        _raise_bad_support(out, inputs, redone, vocab_size, k)
     if convention == "union" and min(k, topk_ids.shape[1]) > 0 and not extra_used:
         out.update({f: out[f][:, :-1] for f in ("ids", "mu_logp")})  # no row needs the extra slot
     return _support(out, vocab_size, k)
+
+
+def _raise_engine_logp_error(inputs: tuple) -> None:
+    """Name the first bad engine log-prob (NaN, +inf, a −inf sampled one), as the engine gave it."""
+    _, engine_logp, _, engine_sampled_logp, _, _ = _engine_rows(*inputs)
+    checks.raise_engine_logp_error(engine_logp, engine_sampled_logp)
+
+
+def _redo_rows_out_of_order(out: dict[str, Tensor], out_of_order: Tensor, inputs: tuple, math, bad_support: bool,
+                            vocab_size: int, k: int, convention: str):
+    """Rollout engines usually return rows in μ's top-K order: only the rows that are not (a tie
+    broken to the higher id, common with bf16 log-probs) are ordered (``order_rows``) and redone.
+
+    Returns (out, (rows, their ordered ids), bad_support, extra_used). When a row fails a check,
+    the whole batch is redone in order (pass one's flag may come from a row out of order), so
+    the error names the first bad row."""
+    topk_ids, topk_logp, sampled, sampled_logp, keep = inputs
+    rows = torch.nonzero(out_of_order)[:, 0]
+    sub_keep = None if keep is None else keep[rows]
+    sub_ids, sub_logp, sub_sampled, sub_sampled_logp, _, _ = _engine_rows(
+        topk_ids[rows], topk_logp[rows], sampled[rows], sampled_logp[rows], sub_keep)
+    sub_ids, sub_logp = order_rows(sub_ids, sub_logp)
+    # a handful of rows runs eagerly: a compiled graph specialises (recompiles) on one row
+    redo = math if rows.numel() > compiled_mod.BLOCK_ROWS else maybe_compiled(_engine_math, False)
+    sub = redo(sub_ids, sub_logp, sub_sampled, sub_sampled_logp, sub_keep, vocab_size, k, convention)
+    sub.pop("unordered")
+    sub_bad = sub.pop("flags").tolist()[2]
+    if bad_support or sub_bad:
+        top_ids, top_logp, all_sampled, all_sampled_logp, _, _ = _engine_rows(*inputs)
+        top_ids, top_logp = top_ids.index_copy(0, rows, sub_ids), top_logp.index_copy(0, rows, sub_logp)
+        out = math(top_ids, top_logp, all_sampled, all_sampled_logp, keep, vocab_size, k, convention)
+        out.pop("unordered")
+        bad_support, extra_used = out.pop("flags").tolist()[2:]
+        return out, (rows, sub_ids), bad_support, extra_used
+    for field in _FIELDS:  # in place: the math's outputs are its own (≥ 2 columns here)
+        out[field].index_copy_(0, rows, sub[field])
+    # whether k ∉ TopK somewhere depends on the order of a cut row: read it off S
+    extra_used = convention == "union" and bool(any_true(out["ids"][:, -1] >= 0))
+    return out, (rows, sub_ids), bad_support, extra_used
+
+
+def _raise_bad_support(out: dict[str, Tensor], inputs: tuple, redone: tuple[Tensor, Tensor] | None,
+                       vocab_size: int, k: int) -> None:
+    """Name the first row whose support fails a check (range, duplicates, k, masses), reading the
+    engine's ids as ordered (``redone``: the rows ordered and their ids)."""
+    top_ids, _, all_sampled, all_sampled_logp, _, _ = _engine_rows(*inputs)
+    if redone is not None:
+        rows, sub_ids = redone
+        top_ids = top_ids.index_copy(0, rows, sub_ids)
+    checks.raise_support_error(out["ids"], out["mu_logp"], all_sampled, vocab_size, out["tail_count"],
+                               range_ids=top_ids[:, :k], sampled_logp=all_sampled_logp)
 
 
 def support_from_slots(ids: Tensor, mu_logp: Tensor, sampled: Tensor, *, vocab_size: int,

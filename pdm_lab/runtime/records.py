@@ -1,5 +1,6 @@
-"""Small file helpers: JSON Lines appended as they come, atomic JSON writes, plain numbers,
-and reading back a result file that may have been damaged (named, moved aside, recomputed)."""
+"""Small file helpers: JSON Lines appended as they come and read back (the one reader), atomic
+JSON writes, plain numbers, and reading back a result file that may have been damaged (named,
+moved aside, recomputed)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 def plain(value: Any) -> Any:
@@ -51,6 +52,20 @@ class JsonlWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_jsonl(path: str | Path, *, error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` for each non-blank line of the JSON Lines file at ``path``; a
+    line that does not parse raises ``error`` naming the file and line."""
+    path = Path(path)
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise error(f"{path}:{line_no}: not a JSON row ({err.msg} at column {err.colno})") from None
 
 
 def _write_atomic(path: Path, write: Callable[[Any], None]) -> None:
