@@ -189,3 +189,29 @@ def test_sweep_logs_one_run_per_cell_and_seed_and_a_report_run(tmp_path):
     # a second invocation reuses every run: only a new report run is logged
     again = sweep_to_dir(cfg, out, executor=LocalExecutor(1), progress=False, wandb=wb)
     assert again["wandb_runs"] == 0 and len(read_offline_runs(out)) == len(runs) + 1
+
+
+def test_audit_and_transfer_documents_become_tables(tmp_path):
+    """The audit's and transfer's JSON documents (shapes as ``audit.json`` / ``transfer.json``
+    hold them) as W&B tables and summary, read back from the offline files."""
+    from pdm_lab.envs.presets import AUDIT_PRESETS, preset
+    from pdm_lab.envs.report.to_wandb import log_audit, log_transfer
+
+    pair = {"a": "dppo_topk_kl", "b": "pdm_topk", "dppo_topk_kl": {"unsafe_keep_mean": 0.5},
+            "pdm_topk": {"unsafe_keep_mean": 0.25}, "unsafe_keep_diff": {"mean_diff": 0.25, "ci_low": -0.1},
+            "disagreement_per_seed": [3, 4], "verdict": "insufficient data"}
+    doc = {"pairs": [pair], "per_seed": [{"seed": 0, "outside": 12}, {"seed": 1, "outside": 9}],
+           "regime": {"outside_fraction": 0.01, "d_quantiles": {"p50": 1e-3}}, "outside_mean": 10.5}
+    log_audit(WandbConfig(mode="offline"), preset(AUDIT_PRESETS, "quick"), doc, tmp_path / "audit", {})
+    (run,) = read_offline_runs(tmp_path / "audit")
+    assert run["job_type"] == "audit" and run["summary"]["outside_mean"] == 10.5
+    tables = {k.split("/_type")[0] for row in run["history"] for k, v in row.items() if v == "table-file"}
+    assert tables == {"audit/pairs", "audit/per_seed", "audit/regime"}
+    result = {"toy": {"unsafe_keep": {"mean": 0.5}}, "loop": {"unsafe_keep": {"mean": 0.4}},
+              "run_regime": {"outside_fraction": 0.02}, "toy_regime": {"outside_fraction": 0.021},
+              "toy_config": {"seeds": 2}, "transfer": "undecided", "delta": 0.15}
+    log_transfer(WandbConfig(project="t"), result, tmp_path / "transfer")
+    (run,) = read_offline_runs(tmp_path / "transfer")
+    assert run["summary"]["transfer"] == "undecided" and run["config"]["seeds"] == 2
+    tables = {k.split("/_type")[0] for row in run["history"] for k, v in row.items() if v == "table-file"}
+    assert tables == {"transfer/sides", "transfer/regime"}
