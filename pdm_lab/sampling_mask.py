@@ -68,7 +68,8 @@ class SamplingMask:
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < -1:
-            raise PDMInputError(f"sampling mask top_k: must be an integer ≥ −1 (0 and −1: off), got {self.top_k!r}")
+            raise PDMInputError(f"sampling mask top_k: must be an integer ≥ −1 (0 and −1: off), "
+                                f"got {self.top_k!r}")
         for name, low_open in (("top_p", True), ("min_p", False)):
             value = getattr(self, name)
             ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \

@@ -73,7 +73,8 @@ def test_a_fresh_install_runs_a_dry_run_on_a_packaged_config(wheel, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the dependencies (torch, transformers, …) from this environment, after the venv's own
     # site-packages: a path line in a .pth does not run this environment's editable-install hooks
-    purelib = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    purelib = Path(purelib.stdout.strip())
     (purelib / "zz_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     where = _run([str(python), "-c", "import pdm_lab, importlib.resources as r; print(pdm_lab.__file__); "
                   "print(r.files('pdm_lab.scaling.configs') / 'tiny-cpu.yaml')"], cwd=tmp_path)

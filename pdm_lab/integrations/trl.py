@@ -100,7 +100,8 @@ class PDMGRPOTrainer(GRPOTrainer):
         self.pdm_audit = audit or LiveAuditConfig()
         self._pdm_audit_batches = 0
         if keep_sampling_mask not in (None, True, False):
-            raise ValueError(f"PDMGRPOTrainer: keep_sampling_mask must be True, False or None, got {keep_sampling_mask!r}")
+            raise ValueError("PDMGRPOTrainer: keep_sampling_mask must be True, False or None, "
+                             f"got {keep_sampling_mask!r}")
         super().__init__(*args, **kwargs)
         if self.beta != 0.0:
             raise ValueError("PDMGRPOTrainer: set GRPOConfig(beta=0.0); the KL penalty is not part of pdm_lab's loss")

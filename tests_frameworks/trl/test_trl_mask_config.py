@@ -60,7 +60,8 @@ def _train(tiny_dir, tmp_path, mask: MaskConfig, records: list, **kwargs):
     from trl import GRPOConfig
 
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=10, max_steps=2, num_iterations=2, learning_rate=3e-3, beta=0.0, temperature=1.0,
+                      max_completion_length=10, max_steps=2, num_iterations=2, learning_rate=3e-3, beta=0.0,
+                      temperature=1.0,
                       top_k=0, top_p=0.9, logging_steps=1, report_to=[], use_cpu=True, seed=0,
                       save_strategy="no", bf16=False, **kwargs.pop("args", {}))
     trainer = _recording(records)(model=str(tiny_dir), reward_funcs=_reward, args=args, train_dataset=_dataset(4),
