@@ -236,3 +236,62 @@ def test_as_a_user_runs_it(argv, must, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and must in lines[0], proc.stderr[-2000:]
     assert not (tmp_path / "s").exists()
+
+
+# ---- refused commands leave nothing; the run's own folder holds an internal error's traceback
+
+REFUSED = [
+    ["sweep", "base.group_size=1", "--out", "{out}"],
+    ["audit", "--preset", "quick", "group_size=1", "--out", "{out}"],
+    ["calibrate", "--delta", "-1", "--out", "{out}"],
+    ["calibrate", "--mismatch", "noise:nan", "--out", "{out}"],
+    ["demo", "--tokens", "1e11", "--out", "{out}/d.json"],
+    ["transfer", "--search-iters", "0", "--out", "{out}"],
+    ["promote", "{tmp}/nowhere", "--base", str(TINY), "--out", "{out}/p.yaml"],
+    ["train", "--config", str(TINY), "rollout.group_size=1", "run_dir={out}"],
+    ["prove", "--seed", "-1", "--out", "{out}/proofs.md"],
+]
+
+
+@pytest.mark.parametrize("argv", REFUSED, ids=[a[0] + " " + a[-3 if a[0] != "train" else -1] for a in REFUSED])
+def test_refused_commands_leave_nothing(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _tripwires(monkeypatch)
+    out = tmp_path / "out"
+    code, err = run_case([a.format(out=out, tmp=tmp_path) for a in argv], capsys)
+    assert code == 2, err
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_refused_sweep_leaves_no_lock_file_in_another_grids_folder(tmp_path, monkeypatch, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "results.json").write_text("[]")
+    (other / "sweep.json").write_text('{"rules": ["none"]}')
+    before = sorted(p.name for p in other.iterdir())
+    code, err = run_case(["sweep", "--out", str(other)], capsys)
+    assert code == 2 and "different sweep" in err
+    assert sorted(p.name for p in other.iterdir()) == before  # no .pdm_lab.lock, nothing else
+
+
+def test_an_internal_error_s_traceback_goes_into_the_run_folder(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from pdm_lab.tools import demo
+
+    def planted_bug(**_kwargs):
+        raise KeyError("stats/none_such")
+
+    monkeypatch.setattr(demo, "run_demo", planted_bug)
+    monkeypatch.delenv("PDM_LAB_DEBUG", raising=False)
+    before = set(Path(tempfile.gettempdir()).glob("pdm-lab-traceback-*"))
+    (tmp_path / "run").mkdir()
+    code, err = run_case(["demo", "--tokens", "64", "--vocab", "100", "--out", str(tmp_path / "run" / "d.json")],
+                         capsys)
+    assert code == 70 and f"traceback saved to {tmp_path / 'run' / 'pdm-lab-traceback.txt'}" in err
+    assert "planted_bug" in (tmp_path / "run" / "pdm-lab-traceback.txt").read_text()
+    assert set(Path(tempfile.gettempdir()).glob("pdm-lab-traceback-*")) == before
+    # no run folder: nothing is written anywhere, the line says how to see the traceback
+    code, err = run_case(["demo", "--tokens", "64", "--vocab", "100", "--out", str(tmp_path / "no" / "d.json")],
+                         capsys)
+    assert code == 70 and "rerun with --debug" in err and not (tmp_path / "no").exists()
