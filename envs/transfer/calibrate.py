@@ -29,6 +29,7 @@ from pdm_lab.runtime.cli import int_at_least, integer, number
 from pdm_lab.envs.audit.study import AuditConfig, _regime_inputs, _table, audit_batch, float64_tokens
 from pdm_lab.envs.problems.mismatch import Mismatch, MismatchSource
 from pdm_lab.masks import outside_region
+from pdm_lab.runtime.records import read_jsonl
 from pdm_lab.envs.train.update import current_stats
 
 
@@ -78,13 +79,7 @@ def read_sample(path: Path) -> list[dict]:
     """The rows of a ``mismatch_sample.jsonl``; a row that is not JSON, lacks ``d`` or
     ``mu_tail``, or holds a non-finite number is a ``ConfigError`` naming the file and line."""
     rows = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{line_no}: not a JSON row ({err.msg} at column {err.colno})") from None
+    for line_no, row in read_jsonl(path, error=ConfigError):
         if not isinstance(row, dict):
             raise ConfigError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
         missing = [key for key in ("d", "mu_tail") if key not in row]

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from pdm_lab.audit import compare_paired, mean_ci, pooled_diff_ci, verdict
+from pdm_lab.runtime.records import read_jsonl
 
 MIN_POINTS = 10
 """audit points (seeds) that gave kept disagreement tokens to both rules (SPEC §6)."""
@@ -55,13 +56,7 @@ def read_audit_lines(run_dir: Path) -> list[dict]:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no audit lines (train with audit.every=N)")
     by_step: dict[int, dict] = {}
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{i}: not JSON ({err})") from None
+    for _, rec in read_jsonl(path):
         by_step[int(rec["step"])] = rec
     if not by_step:
         raise ValueError(f"{path}: empty")
