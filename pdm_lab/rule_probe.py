@@ -167,7 +167,8 @@ def probe_stats() -> dict[tuple[int, str, str], TokenStats]:
     if key not in _STATS_CACHE:
         mu = torch.log_softmax(torch.tensor([row for row, _ in _MU], dtype=torch.float64), dim=1)
         sampled = torch.tensor([k for _, k in _MU])
-        base = torch.where(torch.isfinite(mu), mu, torch.full_like(mu, -3.0)) + torch.tensor(_PI_NOISE, dtype=torch.float64)
+        noise = torch.tensor(_PI_NOISE, dtype=torch.float64)
+        base = torch.where(torch.isfinite(mu), mu, torch.full_like(mu, -3.0)) + noise
         out = {}
         for policy, shift in POLICIES.items():
             logits = base + shift * torch.nn.functional.one_hot(sampled, mu.shape[1]).to(mu.dtype)
