@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .masks import outside_region
+from .rollout_corr import ROLLOUT_CORR_KEYS, rollout_corr_terms
 from .fast.rowops import all_true
 
 if TYPE_CHECKING:
@@ -157,8 +158,6 @@ MISMATCH_KEYS = {"div/topk_kl_mean": "mismatch/topk_kl_mean", "div/topk_kl_max":
 def as_mismatch(sums: Mapping[str, Metric]) -> MetricSums:
     """Step metrics of the batch before any update, as ``mismatch/*`` keys (``MISMATCH_KEYS``),
     and the rollout-correction ones under verl's ``rollout_corr/*`` keys (``ROLLOUT_CORR_KEYS``)."""
-    from .rollout_corr import ROLLOUT_CORR_KEYS
-
     return {**rename(sums, MISMATCH_KEYS), **rename(sums, ROLLOUT_CORR_KEYS)}
 
 
@@ -210,6 +209,19 @@ def sign_certified(stats: "TokenStats") -> Tensor:
 
 
 @torch.no_grad()
+def rollout_corr_sums(log_ratio: Tensor, response: Tensor, n: Tensor | None = None, *, keep: Tensor | None = None,
+                      cap: Any = None, layout: tuple[int, int] | None = None) -> MetricSums:
+    """verl's rollout-correction metrics ``corr/*`` (``pdm_lab.rollout_corr.rollout_corr_terms``,
+    same arguments) as sums; `n`: the count of `response`, when the caller has it."""
+    reducers = {"mean": mean_of, "max": max_of, "min": min_of}
+    sums: MetricSums = {}
+    for i, (where, terms) in enumerate(rollout_corr_terms(log_ratio, response, keep=keep, cap=cap, layout=layout)):
+        count = n if (i == 0 and n is not None) else count_of(where)
+        sums.update({key: reducers[reduce](x, where, count) for key, (reduce, x) in terms.items()})
+    return sums
+
+
+@torch.no_grad()
 def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tensor, response: Tensor,
                      cfg: Any, *, outside: Tensor | None = None, estimator: str | None = None,
                      cap: Any = None, layout: tuple[int, int] | None = None) -> MetricSums:
@@ -226,8 +238,6 @@ def step_metric_sums(stats: "TokenStats", keep: Tensor | None, advantages: Tenso
     The key set depends only on ``keep is None``, ``stats.full_kl``, the estimator, ``cap is
     None`` and ``layout is None``, so every rank of a run holds the same keys.
     """
-    from .rollout_corr import rollout_corr_sums
-
     if cap is None and cfg is not None:
         cap = cfg.clip_ratio_c
     response = response.bool()

@@ -28,66 +28,67 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .metrics import MetricSums, count_of, max_of, mean_of, min_of
-
 SAFETY_BOUND = 20.0
 """verl's clamp on a log importance weight before exponentiating (``rollout_corr_helper``)."""
 
+#: The per-key terms: ``{where: {key: (reduction, [where-shaped] values)}}``, one group per set
+#: of entries a key averages over (response tokens, sequences); ``pdm_lab.metrics`` sums them.
+Terms = list[tuple[Tensor, dict[str, tuple[str, Tensor]]]]
+
 
 @torch.no_grad()
-def rollout_corr_sums(log_ratio: Tensor, response: Tensor, n: Tensor | None = None, *, keep: Tensor | None = None,
-                      cap: float | Tensor | None = None, layout: tuple[int, int] | None = None) -> MetricSums:
-    """The ``corr/*`` sums over response tokens.
+def rollout_corr_terms(log_ratio: Tensor, response: Tensor, *, keep: Tensor | None = None,
+                       cap: float | Tensor | None = None, layout: tuple[int, int] | None = None) -> Terms:
+    """The ``corr/*`` terms: per response token, and per sequence when ``layout`` is given.
 
-    Args: log_ratio [N] log r (any float dtype; taken to float64); response [N] bool; n its
-    count (``count_of(response)``, when the caller has it); keep [N] 1/0 mask or None (no mask:
-    the sequence rejection key is left out); cap: c (number or 0-d tensor) or None (no
-    ``corr/is_frac_*`` keys); layout (B, T) with N = B·T, or None (no per-sequence keys).
-    The key set depends only on which of keep, cap and layout are None.
+    Args: log_ratio [N] log r (any float dtype; taken to float64); response [N] bool; keep [N]
+    1/0 mask or None (no mask: the sequence rejection key is left out); cap: c (number or 0-d
+    tensor) or None (no ``corr/is_frac_*`` keys); layout (B, T) with N = B·T, or None (no
+    per-sequence keys). The key set depends only on which of keep, cap and layout are None.
+    ``pdm_lab.metrics.rollout_corr_sums`` turns them into mergeable sums.
     """
     resp = response.bool()
-    n = count_of(resp) if n is None else n
     lr = log_ratio.to(torch.float64)
     clamped = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     weight = torch.exp(clamped)  # verl's raw weight, before the cap
     capped = weight if cap is None else torch.clamp(weight, max=cap)
-    sums: MetricSums = {
-        "corr/k1_kl": mean_of(-lr, resp, n),
-        "corr/k3_kl": mean_of(torch.expm1(lr.clamp(max=SAFETY_BOUND)) - lr, resp, n),
-        "corr/chi2_token": mean_of(torch.expm1(2.0 * clamped), resp, n),
-        "corr/is_mean": mean_of(capped, resp, n),
-        "corr/is_max": max_of(capped, resp, n),
-        "corr/is_min": min_of(capped, resp, n),
+    tokens = {
+        "corr/k1_kl": ("mean", -lr),
+        "corr/k3_kl": ("mean", torch.expm1(lr.clamp(max=SAFETY_BOUND)) - lr),
+        "corr/chi2_token": ("mean", torch.expm1(2.0 * clamped)),
+        "corr/is_mean": ("mean", capped),
+        "corr/is_max": ("max", capped),
+        "corr/is_min": ("min", capped),
     }
     if cap is not None:  # the fraction the cap truncates, and the one below its reciprocal
-        sums["corr/is_frac_high"] = mean_of(weight > cap, resp, n)
-        sums["corr/is_frac_low"] = mean_of(weight < 1.0 / cap, resp, n)
+        tokens["corr/is_frac_high"] = ("mean", weight > cap)
+        tokens["corr/is_frac_low"] = ("mean", weight < 1.0 / cap)
+    terms = [(resp, tokens)]
     if layout is not None:
-        sums.update(_per_sequence(lr, resp, keep, layout))
-    return sums
+        terms.append(_per_sequence(lr, resp, keep, layout))
+    return terms
 
 
-def _per_sequence(lr: Tensor, resp: Tensor, keep: Tensor | None, layout: tuple[int, int]) -> MetricSums:
-    """Means over the sequences with at least one response token (their count is each key's n)."""
+def _per_sequence(lr: Tensor, resp: Tensor, keep: Tensor | None,
+                  layout: tuple[int, int]) -> tuple[Tensor, dict[str, tuple[str, Tensor]]]:
+    """Terms over the sequences with at least one response token."""
     b, t = layout
     resp2 = resp.reshape(b, t)
     total = torch.where(resp2, lr.reshape(b, t), 0.0).sum(1)  # Σ_t l per sequence
     tokens = resp2.sum(1)
     seqs = tokens > 0
-    n_seq = count_of(seqs)
     diff = -total / tokens.clamp(min=1).to(torch.float64)  # d_i = −mean_t l
-    sums = {
-        "corr/log_ppl_diff": mean_of(diff, seqs, n_seq),
-        "corr/log_ppl_abs_diff": mean_of(diff.abs(), seqs, n_seq),
-        "corr/log_ppl_diff_max": max_of(diff, seqs, n_seq),
-        "corr/log_ppl_diff_min": min_of(diff, seqs, n_seq),
-        "corr/ppl_ratio": mean_of(torch.exp(diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)), seqs, n_seq),
-        "corr/chi2_seq": mean_of(torch.expm1(2.0 * total.clamp(-SAFETY_BOUND, SAFETY_BOUND)), seqs, n_seq),
+    terms = {
+        "corr/log_ppl_diff": ("mean", diff),
+        "corr/log_ppl_abs_diff": ("mean", diff.abs()),
+        "corr/log_ppl_diff_max": ("max", diff),
+        "corr/log_ppl_diff_min": ("min", diff),
+        "corr/ppl_ratio": ("mean", torch.exp(diff.clamp(-SAFETY_BOUND, SAFETY_BOUND))),
+        "corr/chi2_seq": ("mean", torch.expm1(2.0 * total.clamp(-SAFETY_BOUND, SAFETY_BOUND))),
     }
     if keep is not None:  # a sequence with any dropped response token counts as rejected
-        rejected = ((keep.reshape(b, t) == 0) & resp2).any(1)
-        sums["corr/rs_seq_masked_fraction"] = mean_of(rejected, seqs, n_seq)
-    return sums
+        terms["corr/rs_seq_masked_fraction"] = ("mean", ((keep.reshape(b, t) == 0) & resp2).any(1))
+    return seqs, terms
 
 
 #: verl's key of each rollout-time metric (``as_mismatch``); ``mask/frac_dropped`` is verl's

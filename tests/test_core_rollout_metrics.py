@@ -10,9 +10,9 @@ import torch
 
 from pdm_lab.loss import pdm_policy_loss
 from pdm_lab.mask_config import MaskConfig
-from pdm_lab.metrics import as_mismatch, finalize_floats, merge_metrics
+from pdm_lab.metrics import as_mismatch, finalize_floats, merge_metrics, rollout_corr_sums
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.rollout_corr import ROLLOUT_CORR_KEYS, SAFETY_BOUND, rollout_corr_sums
+from pdm_lab.rollout_corr import ROLLOUT_CORR_KEYS, SAFETY_BOUND
 from pdm_lab.support import support_from_full
 
 B, T = 6, 7
