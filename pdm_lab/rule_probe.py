@@ -5,9 +5,10 @@ The probe set is the product of
 
 * real ``TokenStats`` (float64, ``token_stats`` with full distributions, binary divergences and
   a c_t) of one eight-token batch (B = 2 responses × T = 4, the second one token shorter) under
-  K ∈ {1, 2, 4} × both conventions (``union``, ``kslot``) × three policies (every r > 1, every
-  r < 1, mixed with one r = 1 token). The batch has ties in μ, a sampled token outside μ's
-  top-K, μ with cut tokens (log μ = −inf, so K = 4 reaches −inf slots), and π = μ on one row;
+  K ∈ {1, 3} × both conventions (``union``, ``kslot``) × three policies (every r > 1, every
+  r < 1, mixed with one r = 1 token). The batch has ties in μ that K splits (rows 0, 3), sampled
+  tokens outside μ's top-K, μ with cut tokens (log μ = −inf, so K = 3 reaches a −inf slot), and
+  π = μ on one row;
 * five advantage patterns (mixed signs and zeros, all positive, all negative, all zero, one sign
   per response);
 * four configs: δ ∈ {0, 10⁻³, 0.05, 10} (everything outside the region … everything inside),
@@ -65,7 +66,7 @@ _PI_NOISE = ((0.4, -0.3, 0.2, 0.0, -0.5, 0.3), (-0.6, 0.9, 0.0, 0.0, 0.0, 0.0), 
              (0.3, 0.0, -0.9, 0.5, 0.2, -0.1), (0.2, -0.2, 0.4, -0.4, 0.1, -0.1))
 #: policies: every sampled token up (r > 1), down (r < 1), or the shifts alone (mixed; row 4: π = μ).
 POLICIES = {"r>1": 1.5, "r<1": -1.5, "mixed": 0.0}
-KS = (1, 2, 4)
+KS = (1, 3)
 CONVENTIONS = ("union", "kslot")
 ADVANTAGES = {
     "mixed": (1.0, -1.0, 0.0, 2.0, -0.5, 1.0, -1.0, 0.0),
@@ -223,12 +224,13 @@ def observe(name: str, fn: DropFn, level: str) -> Observation:
     cfg_reads: set[str] = set()
     response_mask = torch.tensor(PROBE_RESPONSES)
     drops: dict[tuple, list[Tensor]] = {}
+    advantages = {name: torch.tensor(values, dtype=torch.float64) for name, values in ADVANTAGES.items()}
     for (k, convention, policy), stats in probe_stats().items():
-        for adv_name, adv_values in ADVANTAGES.items():
-            advantages = torch.tensor(adv_values, dtype=torch.float64)
-            for c, config in enumerate(CONFIGS):
-                cfg = _ProbeConfig({**config, "k": k, "convention": convention}, cfg_reads)
-                args = (RuleProbe(stats, stats_reads), advantages.clone(), cfg)
+        probe = RuleProbe(stats, stats_reads)
+        configs = [_ProbeConfig({**config, "k": k, "convention": convention}, cfg_reads) for config in CONFIGS]
+        for adv_name, adv in advantages.items():
+            for c, (config, cfg) in enumerate(zip(CONFIGS, configs)):
+                args = (probe, adv.clone(), cfg)
                 where = (f"K={k}, {convention}, {policy}, Â {adv_name}, δ={config['delta']}, "
                          f"seq_agg={config['seq_agg']}")
                 try:
@@ -237,10 +239,10 @@ def observe(name: str, fn: DropFn, level: str) -> Observation:
                     msg = str(err).splitlines()[0] if str(err) else ""
                     raise RuleRecordError(f"rule {name!r}: probe: its drop function fails on the registration probe "
                                           f"({level}-level call; {where}): {type(err).__name__}: {msg}") from err
-                if not (isinstance(drop, Tensor) and drop.dtype == torch.bool and drop.shape == advantages.shape):
+                if not (isinstance(drop, Tensor) and drop.dtype == torch.bool and drop.shape == adv.shape):
                     got = f"{drop.dtype} {tuple(drop.shape)}" if isinstance(drop, Tensor) else type(drop).__name__
                     raise RuleRecordError(f"rule {name!r}: returns: a drop function returns an [N] bool tensor (N = "
-                                          f"{advantages.numel()} on the probe), got {got}")
+                                          f"{adv.numel()} on the probe), got {got}")
                 drops.setdefault((policy, adv_name, c), []).append(drop)
     varies = any(any(not torch.equal(d, same[0]) for d in same[1:]) for same in drops.values())
     return Observation(stats_reads, cfg_reads, varies)

@@ -159,7 +159,7 @@ def test_the_same_functions_declared_truly_register_with_that_record(registry, f
 def test_one_probe_misses_the_branch_the_probe_set_takes():
     """The untaken-branch rule on a single probe (mixed Â, δ = 0.05) reads no δ: a record derived
     from one call would lie; over the set, the all-negative-Â probe reads it."""
-    stats = rule_probe.probe_stats()[2, "union", "mixed"]
+    stats = rule_probe.probe_stats()[3, "union", "mixed"]
     stats_reads, cfg_reads = set(), set()
     cfg = rule_probe._ProbeConfig(rule_probe.PROBE_CONFIG, cfg_reads)
     _delta_only_when_all_negative(rule_probe.RuleProbe(stats, stats_reads),
@@ -200,7 +200,7 @@ def test_the_probe_set_covers_what_its_docstring_says():
     stats = rule_probe.probe_stats()
     wide = rule_probe.support_from_full(
         torch.log_softmax(torch.tensor([row for row, _ in rule_probe._MU], dtype=torch.float64), dim=1),
-        torch.tensor([k for _, k in rule_probe._MU]), k=4, convention="union")
+        torch.tensor([k for _, k in rule_probe._MU]), k=3, convention="union")
     assert bool(torch.isneginf(wide.mu_logp).any())                              # cut tokens in the top-K
     assert bool((stats[1, "union", "mixed"].topk_kl != stats[1, "kslot", "mixed"].topk_kl).any())
     assert bool((stats[1, "union", "r>1"].log_ratio > 0).all())                 # each sign of r − 1
