@@ -24,7 +24,8 @@ DEFAULT_PROJECT = "pdm_lab"
 
 @config_dataclass("log.wandb")
 class WandbConfig:
-    """W&B logging (SPEC-free: output only). Off unless ``project`` or ``mode`` is set."""
+    """W&B logging (output only: nothing here changes a result). Off unless ``project`` or
+    ``mode`` turns it on."""
 
     project: str | None = None
     """W&B project; setting it turns W&B on (offline unless ``mode`` says online). Default when
