@@ -3,19 +3,24 @@
 Importing this package registers ``pdm_lab/TokenMDP-v0`` with Gymnasium (scalar entry point
 ``TokenMDP``, native vector entry point ``TokenMDPVectorEnv``).
 
-Packages, bottom up (each imports only those above it in this list, and the core):
+Packages, bottom up (each imports only its own package, those above it in this list, and the
+core; ``tests/test_core_imports.py`` enforces the order):
 
 * ``problems`` — tasks as automata, the Gymnasium ``token_mdp`` and its vector twin, the
   ``bandit``, the Zipf ``prior``, observation ``encoders``, the behaviour policy ``mismatch``,
   fast ``sampling`` and batched ``rollout`` (``problem`` builds one from a config);
-* ``policies`` — tabular and neural softmax policies (``models``);
+* ``policies`` — tabular and neural softmax policies (``models``), the causal ``transformer``
+  (SPEC §6d's faithful toy), what they share (``base``);
 * ``train`` — a batch into the core's loss (``update``) and the GRPO loop (``grpo``);
-* ``audit`` — SPEC §6 on a toy: ``study``, ``points``, ``flips``, ``report``, ``coupled``;
+* ``audit`` — SPEC §6 on a toy: ``config``, ``batch``, ``step``, ``seed``, ``statistics``,
+  ``store``, ``study`` (the run), ``own_update`` (SPEC §6d's probe, decomposition, step sizes),
+  ``points``, ``flips``, ``report``, ``coupled``;
+* ``transfer`` — ``calibrate`` (SPEC §6b), ``compare`` and ``faithful`` (SPEC §6c);
 * ``sweep`` — the resumable grid (``grid``) and its ``executors``;
-* ``report`` — ``summary`` tables, ``collapse``, ``plots``, ``sweep_report`` (report.md);
-* ``transfer`` — ``calibrate`` (SPEC §6b) and ``compare`` (SPEC §6c);
+* ``report`` — ``summary`` tables, ``collapse``, ``plots``, ``step_sizes``, ``sweep_report`` (report.md);
 * top level — ``presets`` (named configurations), ``pipeline`` (sweep → report, audit → files),
-  ``commands`` (``pdm-lab audit|sweep|calibrate|transfer``), ``bench`` (``pdm-lab bench`` rows).
+  ``commands`` (``pdm-lab audit|sweep|calibrate|transfer``), ``study_commands`` (calibrate,
+  transfer and the coupled study's command lines), ``bench`` (``pdm-lab bench`` rows).
 """
 import gymnasium as gym
 

@@ -21,7 +21,8 @@ import torch
 from pdm_lab.tools.benchtools import best_of
 
 from . import ENV_ID
-from pdm_lab.envs.audit.study import AuditConfig, run_audit
+from pdm_lab.envs.audit.config import AuditConfig
+from pdm_lab.envs.audit.study import run_audit
 from pdm_lab.envs.problems.mismatch import Mismatch
 from pdm_lab.envs.policies.models import make_policy
 from pdm_lab.envs.problems.problem import ProblemConfig, make_problem

@@ -86,7 +86,7 @@ def register_audit(subparsers) -> None:
         "audit", help="direction audit (SPEC §6): unsafe-keep of two rules over seeds, with CI and sign test",
         description="One optimiser step per rule from the same parameters on the same batch; over tokens "
                     "outside the region where two rules disagree, how often each rule's kept tokens grew D. "
-                    "Writes audit.json, audit.md and figures. Fields: see AuditConfig (pdm_lab.envs.audit.study); "
+                    "Writes audit.json, audit.md and figures. Fields: see AuditConfig (pdm_lab.envs.audit.config); "
                     "e.g. rules=[dppo_topk_kl,pdm_topk] sequences=256 problem.kind=bandit k_sweep=[] "
                     "contexts=[shared].")
     _add_config_arguments(p, AUDIT_PRESETS, "paper", "AuditConfig")
@@ -125,16 +125,16 @@ def register_sweep(subparsers) -> None:
 
 def register_calibrate(subparsers) -> None:
     """``pdm-lab calibrate``: the regime table of a toy setting or of a scaling run (SPEC §6b)."""
-    from pdm_lab.envs.transfer.calibrate import add_parser
+    from .study_commands import add_calibrate_parser
 
-    add_parser(subparsers)
+    add_calibrate_parser(subparsers)
 
 
 def register_transfer(subparsers) -> None:
     """``pdm-lab transfer``: the toy audit calibrated to a scaling run vs the run's own audit (SPEC §6c)."""
-    from pdm_lab.envs.transfer.compare import add_parser
+    from .study_commands import add_transfer_parser
 
-    add_parser(subparsers)
+    add_transfer_parser(subparsers)
 
 
 def register(subparsers) -> None:

@@ -116,3 +116,29 @@ def test_no_import_cycle():
         if v not in index:
             visit(v)
     assert not cycles, cycles
+
+
+#: ``envs`` packages bottom up; a module imports only its own package, those before it, and the core.
+ENVS_LAYERS = ("problems", "policies", "train", "audit", "transfer", "sweep", "report")
+
+
+def envs_layer(module: str) -> int:
+    """A module's floor in ``envs``: its package's place in ``ENVS_LAYERS``, or the top level
+    (``presets``, ``pipeline``, ``commands``, ``bench``, …) above them all."""
+    part = module.removeprefix("pdm_lab.envs").lstrip(".").split(".")[0]
+    return ENVS_LAYERS.index(part) if part in ENVS_LAYERS else len(ENVS_LAYERS)
+
+
+def upward_envs_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{m} -> {d}" for m, deps in graph.items() if stage_of(m) == "pdm_lab.envs" and m != "pdm_lab.envs"
+            for d in deps if stage_of(d) == "pdm_lab.envs" and d != "pdm_lab.envs" and envs_layer(d) > envs_layer(m)]
+
+
+def test_envs_packages_import_only_downward():
+    assert envs_layer("pdm_lab.envs.problems.bandit") < envs_layer("pdm_lab.envs.audit.study") < envs_layer("pdm_lab.envs.presets")
+    assert not upward_envs_imports(GRAPH), upward_envs_imports(GRAPH)
+
+
+def test_planted_upward_import_is_caught():
+    planted = {**GRAPH, "pdm_lab.envs.audit.coupled": GRAPH["pdm_lab.envs.audit.coupled"] | {"pdm_lab.envs.presets"}}
+    assert upward_envs_imports(planted) == ["pdm_lab.envs.audit.coupled -> pdm_lab.envs.presets"]

@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from pdm_lab import masks
-from pdm_lab.envs.audit import study as audit_mod
-from pdm_lab.envs.audit.study import AuditConfig, audit_seed, run_audit
+from pdm_lab.envs.audit import batch as audit_batch_mod
+from pdm_lab.envs.audit import step as audit_step
+from pdm_lab.envs.audit import store as audit_store
+from pdm_lab.envs.audit.config import AuditConfig
+from pdm_lab.envs.audit.seed import audit_seed
+from pdm_lab.envs.audit.study import run_audit
 from pdm_lab.envs.problems.problem import ProblemConfig
 
 # SPEC §6's own test: tabular softmax, SGD, a small step, one token per state, float64.
@@ -51,13 +55,13 @@ def test_matched_pairs_have_no_unsafe_keep_with_one_token_per_state(first_order_
 
 
 def test_planted_bug_swapped_measured_divergence_is_caught(monkeypatch):
-    real = audit_mod.measure
+    real = audit_step.measure
 
     def swapped(model, tokens):
         out = real(model, tokens)
         return {"topk_kl": out["full_kl"], "full_kl": out["topk_kl"]}
 
-    monkeypatch.setattr(audit_mod, "measure", swapped)
+    monkeypatch.setattr(audit_step, "measure", swapped)
     assert matched_pair_failures(run_audit(FIRST_ORDER)) != []
 
 
@@ -170,7 +174,8 @@ def test_stored_policies_are_not_read_for_another_training_configuration(tmp_pat
 
 from pdm_lab.audit import FLIP_CAUSES, INSUFFICIENT  # noqa: E402
 from pdm_lab.envs.audit import flips as audit_flips  # noqa: E402
-from pdm_lab.envs.audit.study import audit_batch, float64_tokens, measure, rule_step  # noqa: E402
+from pdm_lab.envs.audit.batch import audit_batch, float64_tokens  # noqa: E402
+from pdm_lab.envs.audit.step import measure, rule_step  # noqa: E402
 from pdm_lab.envs.problems.problem import TokenMDPConfig  # noqa: E402
 
 TINY_MDP = ProblemConfig(kind="token_mdp", token_mdp=TokenMDPConfig(vocab_size=32, max_len=6))
@@ -244,7 +249,7 @@ def _flip_terms(policy_kind: str, contexts: str = "shared", lr: float = 1e-3):
     mask = cfg.mask("dppo_topk_kl")
     tokens = float64_tokens(batch, adv, mask)
     focus = torch.nonzero(tokens.advantages.reshape(-1) != 0)[:, 0]
-    model, tok, foc = audit_mod.audit_model(policy, tokens, contexts, focus)
+    model, tok, foc = audit_batch_mod.audit_model(policy, tokens, contexts, focus)
     before = measure(model, tok.rows(foc))
     step = rule_step(model, tok, mask, cfg, foc, before)
     targets = foc[:12]
@@ -284,7 +289,7 @@ def test_flip_terms_from_the_rules_own_step_equal_a_fresh_gradient():
     mask = cfg.mask("dppo_topk_kl")
     tokens = float64_tokens(batch, adv, mask)
     focus = torch.nonzero(tokens.advantages.reshape(-1) != 0)[:, 0]
-    model, tok, foc = audit_mod.audit_model(policy, tokens, "shared", focus)
+    model, tok, foc = audit_batch_mod.audit_model(policy, tokens, "shared", focus)
     step = rule_step(model, tok, mask, cfg, foc, measure(model, tok.rows(foc)))
     targets = foc[:6]
     fresh = audit_flips.decompose(model, tok, mask, cfg.lr, step.keep, targets, "topk_kl", measure)
@@ -326,7 +331,7 @@ def test_crafted_seed_file_is_refused_and_runs_no_code(tmp_path):
 
     cfg = AuditConfig(seeds=1, sequences=64, n_boot=50, extra_rules=())
     (tmp_path / "seed_0.pt").write_bytes(pickle.dumps({"config": "x", "record": Payload(), "inputs": ()}))
-    with pytest.raises(audit_mod.SeedRecordError, match="seed_0.pt"):
+    with pytest.raises(audit_store.SeedRecordError, match="seed_0.pt"):
         run_audit(cfg, seed_dir=tmp_path)
     assert not marker.exists()
 
@@ -340,7 +345,9 @@ def test_outlier_mismatch_is_a_function_of_the_activations():
     problem = make_problem(TINY_MDP)
     policy = make_policy("neural", problem.encoder, problem.prior, context_features=8)
     engine = Mismatch.parse("outlier:0.3:1").behaviour_copy(policy)
-    obs = problem.collect(policy, Mismatch(), 4, 4, audit_mod.RolloutRNG(0)).obs.reshape(-1, 7)
+    from pdm_lab.envs.problems.rollout import RolloutRNG
+
+    obs = problem.collect(policy, Mismatch(), 4, 4, RolloutRNG(0)).obs.reshape(-1, 7)
     with torch.no_grad():
         gap = engine(obs) - policy(obs)
         again = engine(obs) - policy(obs)

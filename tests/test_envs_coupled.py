@@ -5,7 +5,7 @@ import math
 import pytest
 
 from pdm_lab.mask_config import MaskConfig
-from pdm_lab.envs.audit.study import AuditConfig
+from pdm_lab.envs.audit.config import AuditConfig
 from pdm_lab.envs.problems.bandit import BanditConfig
 from pdm_lab.envs.audit.coupled import CoupledAuditConfig, run_coupled_audit
 from pdm_lab.envs.problems.problem import ProblemConfig
@@ -86,7 +86,8 @@ def test_scaled_steps_equal_separate_steps(optimizer):
 
     import torch
 
-    from pdm_lab.envs.audit.study import audit_batch, float64_tokens, measure, rule_step, rule_steps
+    from pdm_lab.envs.audit.batch import audit_batch, float64_tokens
+    from pdm_lab.envs.audit.step import measure, rule_step, rule_steps
     from pdm_lab.envs.train.update import current_stats
     from pdm_lab.masks import outside_region
 

@@ -13,8 +13,12 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, strategies as st
 
+from pdm_lab.envs.presets import AUDIT_PRESETS, preset
 from pdm_lab.envs.transfer import compare as transfer
+from pdm_lab.envs.transfer import faithful as faithful_mod
+from pdm_lab.envs.transfer.faithful import outcome
 
 A, B = "dppo_topk_kl", "pdm_topk"
 
@@ -67,12 +71,69 @@ def test_transfer_verdict_never_calls_insufficient_data_agreement():
     good = transfer.side_summary(points(12), A, B, n_boot=300)
     thin = transfer.side_summary(points(3), A, B, n_boot=300)  # the same direction, too few points
     assert thin["verdict"] == "insufficient data"
-    assert transfer.transfer_verdict(good, good) == "transfers"
-    assert transfer.transfer_verdict(good, thin) == "insufficient data (loop)"
-    assert transfer.transfer_verdict(thin, good) == "insufficient data (toy)"
-    assert transfer.transfer_verdict(thin, thin) == "insufficient data (toy and loop)"
+    assert transfer.transfer_verdict(good, good, True)["outcome"] == "transfers"
+    for toy, loop, which in ((good, thin, "loop"), (thin, good, "toy"), (thin, thin, "toy and loop")):
+        out = transfer.transfer_verdict(toy, loop, True)
+        assert out == {"outcome": "undecided", "reason": f"insufficient data ({which})"}
     flipped = transfer.side_summary(points(12, a=(3, 0, 3), b=(4, 3, 1)), A, B, n_boot=300)
-    assert transfer.transfer_verdict(good, flipped) == "does not transfer"
+    assert transfer.transfer_verdict(good, flipped, True)["outcome"] == "does not transfer"
+
+
+def diff(mean, lo, hi):
+    return {"mean_diff": mean, "ci_low": lo, "ci_high": hi}
+
+
+@pytest.mark.parametrize("toy,loop,faithful,expected", [
+    (diff(0.1, 0.05, 0.15), diff(0.2, 0.1, 0.3), False, "unfaithful toy"),   # intervals alone: transfers
+    (diff(0.02, -0.01, 0.05), diff(-0.01, -0.04, 0.02), True, "undecided"),  # both contain 0
+    (diff(0.1, 0.05, 0.15), diff(0.2, 0.1, 0.3), True, "transfers"),
+    (diff(-0.1, -0.15, -0.05), diff(-0.02, -0.12, 0.03), True, "consistent"),  # loop contains the toy's −0.1
+    (diff(0.1, 0.05, 0.15), diff(0.03, -0.01, 0.08), True, "does not transfer"),  # loop misses the toy's 0.1
+    (diff(0.1, 0.05, 0.15), diff(-0.02, -0.05, 0.2), True, "does not transfer"),  # contains it, opposite sign
+    (diff(0.1, 0.05, 0.15), diff(-0.2, -0.3, -0.1), True, "does not transfer"),   # both exclude 0, opposite
+    (diff(0.1, 0.05, 0.15), diff(0.2, 0.1, 0.3), None, "undecided"),  # no probe keys in the run: not faithful
+])
+def test_each_spec_6c_outcome(toy, loop, faithful, expected):
+    assert outcome(toy, loop, faithful)["outcome"] == expected
+
+
+@given(st.lists(st.floats(-1, 1), min_size=4, max_size=4), st.sampled_from([True, None]))
+def test_two_intervals_that_contain_0_never_transfer(xs, faithful):
+    a_lo, a_hi, b_lo, b_hi = -abs(xs[0]), abs(xs[1]), -abs(xs[2]), abs(xs[3])
+    toy, loop = diff((a_lo + a_hi) / 2, a_lo, a_hi), diff((b_lo + b_hi) / 2, b_lo, b_hi)
+    assert outcome(toy, loop, faithful)["outcome"] == "undecided"
+
+
+def probe_keys(agree=0.8, cos=0.3, memory=0.7, dd=2.0, n=300):
+    """A pooled probe and decomposition with the keys the toy and the loop write."""
+    probe = {"probe/tokens": n, f"probe/agree/{A}/outside/topk_kl": {"rate": agree, "lo": agree - 0.05, "hi": agree + 0.05, "n": n},
+             f"probe/agree/{B}/outside/topk_kl": {"rate": 1 - agree, "lo": 0.95 - agree, "hi": 1.05 - agree, "n": n},
+             "probe/cos_kv_v": {"median": cos, "lo": cos - 0.05, "hi": cos + 0.05, "n": n}}
+    decomp = {A: {"decomp/tokens": n, "decomp/share/memory": {"mean": memory, "lo": memory - 0.05, "hi": memory + 0.05},
+                  "decomp/median_abs_dd_over_d": {"value": dd, "lo": dd * 0.8, "hi": dd * 1.2}}}
+    return probe, decomp
+
+
+def test_a_toy_outside_the_runs_probe_intervals_is_unfaithful_and_never_transfers():
+    run = faithful_mod.probe_statistics(*probe_keys(), [A, B])
+    same = faithful_mod.probe_statistics(*probe_keys(agree=0.81, dd=2.1), [A, B])
+    tabular = faithful_mod.probe_statistics(*probe_keys(cos=1.0, memory=0.0, dd=0.01), [A, B])
+    assert faithful_mod.faithfulness(same, run)["faithful"] is True
+    faith = faithful_mod.faithfulness(tabular, run)
+    assert faith["faithful"] is False
+    assert {k for k, s in faith["statistics"].items() if not s["match"]} == {"cos_kv_v", "memory_share",
+                                                                              "median_abs_dd_over_d"}
+    good = transfer.side_summary(points(12), A, B, n_boot=300)
+    assert transfer.transfer_verdict(good, good, faith["faithful"])["outcome"] == "unfaithful toy"
+
+
+def test_a_run_without_probe_keys_is_said_to_have_none():
+    lines = [line(s) for s in range(1, 4)]  # an older audit.jsonl: no "probe" key
+    assert faithful_mod.run_statistics(lines, [A, B]) is None
+    faith = faithful_mod.faithfulness(faithful_mod.probe_statistics(*probe_keys(), [A, B]), None)
+    assert faith["faithful"] is None and "no probe keys" in faith["reason"]
+    md = "\n".join(transfer.faithfulness_lines(faith))
+    assert "no probe keys" in md
 
 
 def test_read_audit_lines_keeps_the_last_line_of_a_redone_step_and_refuses_mixed_settings(tmp_path):
@@ -109,9 +170,11 @@ def test_transfer_command_as_a_user_runs_it(tmp_path):
     assert doc["target_source"] == "mismatch_sample.jsonl"
     assert doc["toy_mismatch"] != "none" and doc["toy"]["points"] == 2 and doc["loop"]["points"] == 3
     assert doc["loop"][A]["unsafe_keep"]["rate"] == pytest.approx(0.75)
-    assert doc["transfer"].startswith("insufficient data")  # 3 loop points, 2 toy seeds: below SPEC §6's minimum
+    assert doc["transfer"] == "undecided"  # 3 loop points, 2 toy seeds: below SPEC §6's minimum
+    assert doc["transfer_reason"].startswith("insufficient data")
+    assert doc["faithfulness"]["faithful"] is None and "no probe keys" in doc["faithfulness"]["reason"]
     md = (out / "transfer.md").read_text()
-    assert "| outside fraction" in md and "insufficient data" in md
+    assert "| outside fraction" in md and "insufficient data" in md and "no probe keys" in md
 
 
 def test_transfer_pools_several_runs_and_refuses_mixed_settings(tmp_path):
@@ -122,7 +185,7 @@ def test_transfer_pools_several_runs_and_refuses_mixed_settings(tmp_path):
         (run / "audit.jsonl").write_text("\n".join(json.dumps(dict(line(s), delta=delta)) for s in (1, 2)) + "\n")
         runs.append(run)
     with pytest.raises(ValueError, match="delta"):
-        transfer.run_transfer(runs, tmp_path / "out", preset_name="quick", seeds=1)
+        transfer.run_transfer(runs, tmp_path / "out", preset(AUDIT_PRESETS, "quick"), preset_name="quick", seeds=1)
     lines = [x for run in runs[:2] for x in transfer.read_audit_lines(run)]
     assert len(transfer.loop_points(lines, A, B)) == 4  # two runs' steps 1, 2: four audit points
 

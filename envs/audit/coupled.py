@@ -1,6 +1,6 @@
 """The aggregate measure of SPEC §3b next to the per-token audit of SPEC §6.
 
-Built on the audit's own mechanics (``envs/audit/study.py``: the batch, the float64 cast, the
+Built on the audit's own mechanics (``envs/audit/batch.py`` and ``step.py``: the batch, the float64 cast, the
 ``shared``/``distinct`` contexts, ``rule_steps`` with its token-sum loss, so ``lr`` = η is the
 effective per-token step). Per seed, with O = {t : D_t > δ, Â_t ≠ 0} (the audit's focus rows):
 
@@ -24,17 +24,18 @@ import copy
 import json
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from pdm_lab import audit as stats_lib
-from pdm_lab.runtime.cli import int_at_least
 from pdm_lab.config import to_dict
 
-from pdm_lab.envs.audit.study import (PRECISION, AuditConfig, audit_batch, audit_model, float64_tokens, measure, rule_steps,
-                    tokens_per_state)
+from pdm_lab.envs.audit.batch import audit_batch, audit_model, float64_tokens
+from pdm_lab.envs.audit.config import PRECISION, AuditConfig
+from pdm_lab.envs.audit.seed import tokens_per_state
+from pdm_lab.envs.audit.step import measure, rule_steps
 from pdm_lab.envs.train.coupled_jvp import toy_coupled_scores
 from pdm_lab.masks import outside_region
 from pdm_lab.envs.train.update import current_stats
@@ -257,38 +258,3 @@ def run_coupled_audit(cfg: CoupledAuditConfig, out: str | Path | None = None, *,
         (out / "coupled_audit.json").write_text(json.dumps(doc, indent=1))
         (out / "report.md").write_text(report_markdown(doc))
     return doc
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m pdm_lab.envs.audit.coupled``: the study on an audit preset (default ``paper``)."""
-    import argparse
-
-    from pdm_lab.envs.presets import AUDIT_PRESETS, preset
-
-    ap = argparse.ArgumentParser(prog="python -m pdm_lab.envs.audit.coupled",
-                                 description="SPEC §3b: realised ΔD_O per rule and step size, per-token unsafe-keep")
-    ap.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS))
-    ap.add_argument("--policy", choices=("tabular", "neural"))
-    ap.add_argument("--seeds", type=int_at_least(1))
-    ap.add_argument("--sequences", type=int_at_least(1))
-    ap.add_argument("--mismatch")
-    ap.add_argument("--contexts", nargs="+", choices=("shared", "distinct"))
-    ap.add_argument("--scales", type=float, nargs="+", help="step sizes as multiples of the audit's lr (must include 1)")
-    ap.add_argument("--out", type=Path, required=True, help="folder for per_seed.jsonl, coupled_audit.json and report.md (resumes)")
-    args = ap.parse_args(argv)
-    audit = replace(preset(AUDIT_PRESETS, args.preset), k_sweep=(), stress_mismatch="")
-    for name in ("policy", "seeds", "sequences", "mismatch"):
-        if getattr(args, name) is not None:
-            audit = replace(audit, **{name: getattr(args, name)})
-    if args.contexts:
-        audit = replace(audit, contexts=tuple(args.contexts))
-    cfg = CoupledAuditConfig(audit=audit, **({"step_scales": tuple(args.scales)} if args.scales else {}))
-    t0 = time.perf_counter()
-    doc = run_coupled_audit(cfg, args.out, progress=lambda seed, rec: print(
-        f"seed {seed}: {rec['outside']} outside tokens, {time.perf_counter() - t0:.0f}s", flush=True))
-    print(report_markdown(doc))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

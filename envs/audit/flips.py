@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from pdm_lab.audit import FLIP_CAUSES
 from pdm_lab.mask_config import MaskConfig
 
-from pdm_lab.envs.policies.models import cached_input
+from pdm_lab.envs.policies.base import cached_input
 from pdm_lab.envs.train.update import TokenBatch, masked_loss
 
 #: the central difference is taken at ±this fraction of each group's step (third-order error

@@ -32,8 +32,10 @@ TRAIN_SEED_BASE = 20_000
 
 
 def plain_config(cfg) -> TrainConfig:
-    """The plain GRPO run the audit trains with (rule ``none``, Adam, the audited mismatch)."""
+    """The plain GRPO run the audit trains with (rule ``none``, Adam — AdamW when the audited step is
+    AdamW's, whose state the audit then carries — the audited mismatch)."""
     return TrainConfig(problem=cfg.problem, policy=cfg.policy, hidden=cfg.hidden,
+                       optimizer="adamw" if cfg.optimizer == "adamw" else "adam",
                        mask=MaskConfig(rule="none", k=cfg.k, convention=cfg.convention),
                        mismatch=cfg.mismatch, lr=cfg.train_lr, groups_per_step=cfg.train_groups,
                        group_size=cfg.group_size)
@@ -77,17 +79,20 @@ class TrainedPolicies:
         return None if self.store is None else self.store / f"policy_{run}_at_{step}.pt"
 
     def at(self, run: int, step: int) -> nn.Module:
-        """Run `run`'s policy after `step` training steps (a fresh module each call)."""
+        """Run `run`'s policy after `step` training steps (a fresh module each call); with AdamW its
+        optimiser's state at that step rides along as ``policy.trained_optimizer_state``."""
         saved = self._snapshots.get((run, step))
         path = self._path(run, step)
         if saved is None and path is not None and path.exists():
             stored = torch.load(path, weights_only=True)  # tensors only: a crafted file runs no code
             if isinstance(stored, dict) and stored.get("training") == training_key(self.cfg):
-                saved = stored["state"]
+                saved = {"state": stored["state"], "optimizer": stored.get("optimizer")}
         if saved is not None:
             self._snapshots[(run, step)] = saved
             policy = new_policy(self.cfg, self.problem, run)
-            policy.load_state_dict(saved)
+            policy.load_state_dict(saved["state"])
+            if saved["optimizer"] is not None:
+                policy.trained_optimizer_state = saved["optimizer"]
             return policy
         state = self._runs.get(run)
         if state is None or state[0] > step:
@@ -97,21 +102,26 @@ class TrainedPolicies:
         mismatch = Mismatch.parse(self.cfg.mismatch)
         for now in range(done, step + 1):
             if now in self.cfg.audit_at or now == step:  # every audit point on the way is kept
-                self._snapshot(run, now, policy)
+                self._snapshot(run, now, policy, opt)
             if now < step:
                 batch = self.problem.collect(policy, mismatch, plain.groups_per_step, plain.group_size, rng)
                 plain_step(plain, policy, opt, batch)
         self._runs[run] = (step, policy, opt, rng)
         return self.at(run, step)
 
-    def _snapshot(self, run: int, step: int, policy: nn.Module) -> None:
-        saved = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    def _snapshot(self, run: int, step: int, policy: nn.Module, opt) -> None:
+        state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        memory = None
+        if isinstance(opt, torch.optim.AdamW):  # per parameter (in order): step, exp_avg, exp_avg_sq
+            memory = [{k: v.detach().clone() for k, v in opt.state[p].items()} if p in opt.state else {}
+                      for p in policy.parameters()]
+        saved = {"state": state, "optimizer": memory}
         self._snapshots[(run, step)] = saved
         path = self._path(run, step)
         if path is not None:  # written anew when it holds another training configuration's weights
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            torch.save({"training": training_key(self.cfg), "state": saved}, tmp)
+            torch.save({"training": training_key(self.cfg), **saved}, tmp)
             tmp.replace(path)
 
     def _start(self, run: int):

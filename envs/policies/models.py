@@ -11,62 +11,19 @@ argument of SPEC §3 ignores, so the audit can measure it.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor, nn
 
 from pdm_lab.config import one_of
 
+from pdm_lab.envs.policies.base import Rounding, cached_input, encoder_key, prior_rows
+from pdm_lab.envs.policies.transformer import TransformerPolicy
 from pdm_lab.envs.problems.encoders import multi_hot, ngram_index
 
-POLICY_KINDS = ("tabular", "neural")
+POLICY_KINDS = ("tabular", "neural", "transformer", "transformer_tied")
 
 
-#: (id(obs), what) → (weak reference to obs, its version, the value): the audit runs many forward
-#: passes over one large batch, and a token-MDP observation's encoding reads every slot.
-_INPUT_CACHE: dict = {}
-_INPUT_CACHE_SIZE = 32
-
-
-def cached_input(obs: Tensor, what: tuple, compute):
-    """compute(obs), reused while `obs` is the same, unmodified tensor (checked by weak reference
-    and version counter, so a freed or edited tensor is never served stale)."""
-    key = (id(obs), *what)
-    hit = _INPUT_CACHE.get(key)
-    if hit is not None and hit[0]() is obs and hit[1] == obs._version:
-        return hit[2]
-    value = compute(obs)
-    for old in [k for k, v in _INPUT_CACHE.items() if v[0]() is None]:  # freed inputs first
-        del _INPUT_CACHE[old]
-    if len(_INPUT_CACHE) >= _INPUT_CACHE_SIZE:
-        _INPUT_CACHE.pop(next(iter(_INPUT_CACHE)))
-    _INPUT_CACHE[key] = (weakref.ref(obs), obs._version, value)
-    return value
-
-
-def _encoder_key(encoder) -> tuple:
-    """What identifies an encoder across deep copies of a policy (each copy has its own object)."""
-    return (type(encoder).__name__, encoder.num_states, encoder.feature_dim, getattr(encoder, "prior_rows", 0))
-
-
-def _prior_rows(encoder, obs: Tensor) -> Tensor:
-    index = encoder.prior_index if hasattr(encoder, "prior_index") else encoder.state_index
-    return cached_input(obs, ("prior_rows", *_encoder_key(encoder)), index)
-
-
-class _Rounding:
-    """Engine hooks, None in the trainer: ``activation_round`` (the engine's rounding) and
-    ``output_error`` (h → [B, n] logit error, a function of the hidden activations h)."""
-
-    activation_round = None
-    output_error = None
-
-    def _act(self, x: Tensor, *, logits: bool = False) -> Tensor:
-        return x if self.activation_round is None else self.activation_round(x, logits=logits)
-
-
-class TabularPolicy(_Rounding, nn.Module):
+class TabularPolicy(Rounding, nn.Module):
     """logits = prior[s] + table[s]; ``table`` [S, n] starts at zero.
 
     Args:
@@ -82,11 +39,11 @@ class TabularPolicy(_Rounding, nn.Module):
 
     def forward(self, obs: Tensor) -> Tensor:
         """[B, D] int64 observations → [B, n] logits (the parameters' dtype)."""
-        s = cached_input(obs, ("state", *_encoder_key(self.encoder)), self.encoder.state_index)
-        return self._act(self.prior[_prior_rows(self.encoder, obs)] + self.table[s], logits=True)
+        s = cached_input(obs, ("state", *encoder_key(self.encoder)), self.encoder.state_index)
+        return self._act(self.prior[prior_rows(self.encoder, obs)] + self.table[s], logits=True)
 
 
-class NeuralPolicy(_Rounding, nn.Module):
+class NeuralPolicy(Rounding, nn.Module):
     """logits = prior[s] + W₂ tanh(W₁ x + b₁) + b₂, x = encoder features (and, with
     ``context_features`` F > 0, F hashed multi-hot context features, ``encoders.ngram_features``).
 
@@ -119,7 +76,7 @@ class NeuralPolicy(_Rounding, nn.Module):
 
     def forward(self, obs: Tensor) -> Tensor:
         """[B, D] int64 observations → [B, n] logits (the parameters' dtype)."""
-        return self._act(self.prior[_prior_rows(self.encoder, obs)] + self.trainable_logits(obs), logits=True)
+        return self._act(self.prior[prior_rows(self.encoder, obs)] + self.trainable_logits(obs), logits=True)
 
     def active_features(self, obs: Tensor) -> tuple[Tensor, Tensor]:
         """[B, D] int64 → ([B, A] int64 the active input features, [B, A] float32 their values:
@@ -131,7 +88,7 @@ class NeuralPolicy(_Rounding, nn.Module):
                 index = torch.cat([index, self.encoder.feature_dim + bins], dim=1)
             repeat = (index[:, :, None] == index[:, None, :]).tril(diagonal=-1).any(dim=2)
             return index, (~repeat).float()
-        return cached_input(obs, ("active_features", *_encoder_key(self.encoder), self.context_features), compute)
+        return cached_input(obs, ("active_features", *encoder_key(self.encoder), self.context_features), compute)
 
     def input_key(self, obs: Tensor) -> Tensor:
         """[B, A] int64, rows equal exactly when the network's inputs are (repeats set to −1, sorted)."""
@@ -161,11 +118,14 @@ class NeuralPolicy(_Rounding, nn.Module):
 
 def make_policy(kind: str, encoder, prior: Tensor, *, seed: int = 0, hidden: int = 64,
                 init_scale: float = 0.01, context_features: int = 0) -> nn.Module:
-    """Build a policy by name (``tabular`` or ``neural``; the keywords after ``hidden`` are the
-    neural policy's)."""
+    """Build a policy by name (``tabular``, ``neural``, or the causal ``transformer`` with an untied
+    or tied unembedding, ``envs.policies.transformer``; ``context_features`` is the neural policy's)."""
     one_of("policy", kind, POLICY_KINDS)
     if kind == "tabular":
         return TabularPolicy(encoder, prior)
     gen = torch.Generator().manual_seed(seed)
+    if kind.startswith("transformer"):
+        return TransformerPolicy(encoder, prior, hidden=hidden, tied=kind == "transformer_tied", generator=gen,
+                                 init_scale=init_scale)
     return NeuralPolicy(encoder, prior, hidden=hidden, generator=gen, init_scale=init_scale,
                         context_features=context_features)

@@ -140,6 +140,10 @@ def audit_figures(doc: dict, out: Path) -> dict[str, Path]:
     ax.set_xlim(-0.02, 1.02)
     ax.set_ylim(-0.02, 1.02)
     figs["audit_per_seed"] = _save(fig, out / "audit_per_seed.png")
+    if len(doc.get("step_scales") or {}) > 1:  # SPEC §6d: unsafe-keep against the step's |ΔD|/D
+        from pdm_lab.envs.report.step_sizes import step_size_figure
+
+        figs["audit_step_sizes"] = step_size_figure(doc["step_scales"], out / "audit_step_sizes.png")
     points = doc.get("trajectory") or []
     if points:
         figs["audit_trajectory"] = audit_trajectory(points, (a, b), out / "audit_trajectory.png")

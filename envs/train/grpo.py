@@ -33,7 +33,9 @@ from pdm_lab.envs.problems.rollout import RolloutRNG
 from pdm_lab.masks import outside_region
 from pdm_lab.envs.train.update import current_stats, masked_loss, token_batch
 
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "adamw")
+#: AdamW as the scaling loop runs it (its trainer defaults: betas, eps, no weight decay).
+ADAMW_BETAS, ADAMW_EPS = (0.9, 0.999), 1e-8
 #: The largest learning rate accepted (the collapse study's SGD runs use 10).
 MAX_LR = 1e4
 #: Bytes per (token, vocabulary entry) a step holds at least: μ's and π's log-probabilities and
@@ -113,6 +115,8 @@ class TrainConfig:
 def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0)
     return torch.optim.SGD(params, lr=lr)
 
 

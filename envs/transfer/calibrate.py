@@ -13,20 +13,18 @@ outside fraction is F.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from pdm_lab.runtime.outputs import write_output
-
 from pdm_lab.audit import regime_table
-from pdm_lab.config import ConfigError, in_range
-from pdm_lab.runtime.cli import int_at_least, integer, number
+from pdm_lab.config import ConfigError
 
-from pdm_lab.envs.audit.study import AuditConfig, _regime_inputs, _table, audit_batch, float64_tokens
+from pdm_lab.envs.audit.batch import audit_batch, float64_tokens
+from pdm_lab.envs.audit.config import AuditConfig
+from pdm_lab.envs.audit.seed import regime_inputs, regime_of
 from pdm_lab.envs.problems.mismatch import Mismatch, MismatchSource
 from pdm_lab.masks import outside_region
 from pdm_lab.runtime.records import read_jsonl
@@ -34,7 +32,7 @@ from pdm_lab.envs.train.update import current_stats
 
 
 def toy_inputs(cfg: AuditConfig, seeds: int) -> list[tuple]:
-    """Per seed, the regime inputs of one fresh batch (``audit._regime_inputs``)."""
+    """Per seed, the regime inputs of one fresh batch (``envs.audit.seed.regime_inputs``)."""
     out = []
     for seed in range(cfg.first_seed, cfg.first_seed + seeds):
         _, policy, batch, adv = audit_batch(cfg, seed)
@@ -44,7 +42,7 @@ def toy_inputs(cfg: AuditConfig, seeds: int) -> list[tuple]:
         resp = tokens.response_mask.reshape(-1)
         considered = resp & (tokens.advantages.reshape(-1) != 0)
         outside = outside_region(stats.topk_kl, tokens.advantages.reshape(-1), mask) & considered
-        out.append(_regime_inputs(tokens, stats.topk_kl, outside, considered, mask.k, resp))
+        out.append(regime_inputs(tokens, stats.topk_kl, outside, considered, mask.k, resp))
     return out
 
 
@@ -52,7 +50,7 @@ def toy_table(cfg: AuditConfig, seeds: int = 4) -> dict:
     """The calibration table of a toy setting over `seeds` fresh batches."""
     inputs = toy_inputs(cfg, seeds)
     cat = [torch.cat([p[i] for p in inputs]) for i in range(5)]
-    table = _table((*cat, sum(p[5] for p in inputs) / len(inputs)))
+    table = regime_of((*cat, sum(p[5] for p in inputs) / len(inputs)))
     table.update(source="toy", mismatch=cfg.mismatch, seeds=seeds, delta=cfg.delta, k=cfg.k,
                  sequences=cfg.sequences)
     return table
@@ -161,54 +159,3 @@ def markdown_row(name: str, table: dict) -> str:
 MARKDOWN_HEADER = ("| setting | D p50 | D p99 | D p99.9 | D max | outside δ (Â ≠ 0) | p99.9/p50 | "
                    "top-20 mass ≥ 0.99 | tokens / context |\n"
                    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-
-
-def add_parser(subparsers) -> None:
-    """The ``calibrate`` subcommand (registered by ``envs.cli.register``)."""
-    from pdm_lab.envs.problems.mismatch import MISMATCH_KINDS
-    from pdm_lab.envs.presets import AUDIT_PRESETS, STRESS_MISMATCHES
-
-    p = subparsers.add_parser(
-        "calibrate", help="the mismatch regime of a toy setting or a scaling run (SPEC §6b): D quantiles, outside fraction, tail ratio",
-        description="Rolls out a toy setting (an audit preset, optionally with another mismatch) and prints and writes "
-                    "calibration.json; --from-run reads a scaling run's per-token mismatch sample instead; --target "
-                    "searches the mismatch strength for a given outside fraction.")
-    p.add_argument("--preset", default="quick", choices=sorted(AUDIT_PRESETS), help="toy setting (default: quick)")
-    p.add_argument("--mismatch", help=f"μ's mismatch (kinds: {', '.join(MISMATCH_KINDS)}; named stress settings: "
-                                      f"{', '.join(STRESS_MISMATCHES)})")
-    p.add_argument("--seeds", type=int_at_least(1), default=4, help="fresh batches (default 4)")
-    p.add_argument("--sequences", type=integer(field=(AuditConfig, "sequences")), help="sequences per batch")
-    p.add_argument("--delta", type=number(field=(AuditConfig, "delta")), help="δ (default: the preset's)")
-    p.add_argument("--target", type=number(in_range(0.0, 1.0, low_open=True, high_open=True)),
-                   help="search the strength for this outside fraction (e.g. 0.002)")
-    p.add_argument("--from-run", type=Path, help="a scaling run folder (its mismatch_sample.jsonl)")
-    p.add_argument("--out", type=Path, default=Path("runs/calibrate"), help="output folder")
-    p.set_defaults(func=main)
-
-
-def main(args) -> int:
-    from pdm_lab.envs.presets import AUDIT_PRESETS, STRESS_MISMATCHES, preset
-
-    torch.set_num_threads(1)
-    if args.out.exists() and not args.out.is_dir():  # checked before any work; created only to write
-        raise ConfigError(f"--out {args.out} is a file; give a folder")
-    cfg = preset(AUDIT_PRESETS, args.preset)
-    if args.from_run is not None:
-        table = run_table(args.from_run, args.delta if args.delta is not None else cfg.delta)
-    else:
-        changes = {"mismatch": STRESS_MISMATCHES.get(args.mismatch, args.mismatch), "sequences": args.sequences,
-                   "delta": args.delta}
-        try:
-            cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
-        except ValueError as err:  # the audit config's own checks: bad input, exit status 2
-            raise ConfigError(str(err)) from None
-        if args.target is not None:
-            spec, table = search_strength(cfg, args.target, seeds=max(1, min(args.seeds, 2)),
-                                          progress=lambda s, f: print(f"  {s}: outside {100 * f:.3f}%"))
-            cfg = replace(cfg, mismatch=spec)
-            print(f"strength for an outside fraction of {100 * args.target:.3f}%: {spec}")
-        table = toy_table(cfg, args.seeds)
-    print(format_table(table))
-    path = write_output(args.out / "calibration.json", json.dumps(table, indent=2) + "\n")
-    print(f"written to {path}")
-    return 0

@@ -18,16 +18,16 @@ never imports the scaling stage. Then:
 The verdict of a side ("which rule keeps fewer divergence-growing tokens, by how much") is drawn
 only with SPEC §6's minimum — at least ``MIN_POINTS`` audit points (seeds) with kept
 disagreement tokens for both rules and ``MIN_TOKENS`` pooled for each — else it is
-"insufficient data". The toy's verdict *transfers* when both sides have a verdict, the point
-differences have the same sign and the two CIs overlap; "insufficient data" on either side is
-reported as such, never as agreement.
+"insufficient data". The comparison's outcome is SPEC §6c's (``faithful``): "unfaithful toy" when
+the toy's mechanism statistics (SPEC §6d: per-rule sign agreement, cos(K v, v), optimiser-memory
+share, median |ΔD|/D) lie outside the run's intervals, else "undecided", "transfers",
+"consistent" or "does not transfer" from the two A − B intervals; a run without probe keys is
+said to have none, and its outcome is at most "undecided".
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +36,8 @@ import torch
 
 from pdm_lab.audit import compare_paired, mean_ci, pooled_diff_ci, verdict
 from pdm_lab.runtime.records import read_jsonl
+
+from pdm_lab.envs.transfer.faithful import faithfulness, outcome, run_statistics, toy_statistics
 
 MIN_POINTS = 10
 """audit points (seeds) that gave kept disagreement tokens to both rules (SPEC §6)."""
@@ -157,15 +159,26 @@ def side_summary(points: list[dict], a: str, b: str, *, n_boot: int = 2000) -> d
     return out
 
 
-def transfer_verdict(toy: dict, loop: dict) -> str:
-    """``transfers`` / ``does not transfer`` / ``insufficient data (…)`` (module docstring)."""
-    missing = [name for name, side in (("toy", toy), ("loop", loop)) if not side["sufficiency"]["sufficient"]]
-    if missing:
-        return f"insufficient data ({' and '.join(missing)})"
-    dt, dl = toy["diff_pooled"], loop["diff_pooled"]
-    same_sign = math.copysign(1, dt["mean_diff"]) == math.copysign(1, dl["mean_diff"])
-    overlap = dt["ci_low"] <= dl["ci_high"] and dl["ci_low"] <= dt["ci_high"]
-    return "transfers" if same_sign and overlap else "does not transfer"
+def transfer_verdict(toy: dict, loop: dict, faithful: bool | None = True) -> dict:
+    """SPEC §6c's outcome (``faithful.outcome``) of two sides' pooled A − B intervals: ``outcome``
+    and ``reason``. ``faithful``: the toy's mechanism statistics inside the run's intervals (None:
+    not measured, so never "transfers" or "consistent")."""
+    return outcome(toy["diff_pooled"], loop["diff_pooled"], faithful,
+                   data=(toy["sufficiency"]["sufficient"], loop["sufficiency"]["sufficient"]))
+
+
+def faithfulness_lines(faith: dict) -> list[str]:
+    """The mechanism statistics (SPEC §6d) toy vs run, and which match."""
+    lines = ["Mechanism statistics (SPEC §6d; a toy is faithful when each lies inside the run's interval):", ""]
+    if not faith["statistics"]:
+        return lines + [f"Not compared: {faith['reason']}.", ""]
+    lines += ["| statistic | toy | run (95% interval) | match |", "| --- | ---: | ---: | --- |"]
+    for key, s in faith["statistics"].items():
+        toy = "n/a" if s["toy"] is None else f"{s['toy']['value']:.3g}"
+        run = s["run"]
+        lines.append(f"| {key} | {toy} | {run['value']:.3g} [{run['lo']:.3g}, {run['hi']:.3g}] | "
+                     f"{'yes' if s['match'] else 'no'} |")
+    return lines + ["", f"Faithful: {faith['faithful']} ({faith['reason']}).", ""]
 
 
 def _fmt_ci(x: dict, value: str = "mean", pct: bool = True) -> str:
@@ -214,7 +227,8 @@ def markdown(doc: dict) -> str:
             lines.append(f"Regime, {name}: D p50 {q['p50']:.3g}, p99 {q['p99']:.3g}, p99.9 {q['p999']:.3g}, "
                          f"max {q['max']:.3g}; tail ratio p99.9/p50 {reg['tail_ratio']:.3g}; outside "
                          f"{100 * _nan(reg['outside_fraction']):.3g}%.")
-    lines += ["", f"**Does the toy's verdict transfer? {doc['transfer']}.**",
+    lines += [""] + faithfulness_lines(doc["faithfulness"])
+    lines += [f"**SPEC §6c outcome: {doc['transfer']}** ({doc['transfer_reason']}).",
               f"Minimum for a verdict (SPEC §6): {MIN_POINTS} points with kept disagreement tokens for both rules, "
               f"{MIN_TOKENS} tokens pooled for each.", ""]
     return "\n".join(lines)
@@ -234,19 +248,20 @@ def _pooled_sample(run_dirs: list[Path], out: Path) -> Path:
     return pooled
 
 
-def run_transfer(run_dir, out: Path, *, preset_name: str = "paper", seeds: int | None = None,
+def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int | None = None,
                  mismatch: str | None = None, overrides: list[str] = (), n_boot: int = 2000,
                  search_iters: int = 12, log=print) -> dict:
     """Steps 1–4 of the module docstring; writes ``transfer.json`` and ``transfer.md`` into ``out``.
 
     ``run_dir``: one run directory, or a list of them (seeds of one setting): their audited steps
-    are pooled as audit points and their mismatch samples concatenated."""
+    are pooled as audit points and their mismatch samples concatenated. ``base``: the toy's
+    ``AuditConfig`` before the run's rules, δ and K are laid over it (``preset_name`` labels it)."""
     from pdm_lab.config import from_dict, to_dict
     from pdm_lab.runtime.yaml_config import apply_overrides
 
-    from pdm_lab.envs.audit.study import AuditConfig, run_audit
+    from pdm_lab.envs.audit.config import AuditConfig
+    from pdm_lab.envs.audit.study import run_audit
     from pdm_lab.envs.transfer.calibrate import run_table, search_strength
-    from pdm_lab.envs.presets import AUDIT_PRESETS, preset
 
     start = time.perf_counter()
     run_dirs = [Path(r) for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
@@ -268,7 +283,6 @@ def run_transfer(run_dir, out: Path, *, preset_name: str = "paper", seeds: int |
         target, target_source = run_regime["outside_fraction"], "mismatch_sample.jsonl"
     else:
         target, target_source = audited, "audit.jsonl (the sample holds too few outside tokens)"
-    base = preset(AUDIT_PRESETS, preset_name)
     doc = apply_overrides(to_dict(base), list(overrides))
     # the run's rules, δ and K; the main study only (no K sweep, stress or trajectory study)
     changes = dict(rules=[a, b], extra_rules=[r for r in rules[2:]], delta=delta, k=k, contexts=["shared"],
@@ -294,50 +308,13 @@ def run_transfer(run_dir, out: Path, *, preset_name: str = "paper", seeds: int |
               "target_source": target_source, "audited_outside_fraction": audited,
               "run_regime": run_regime, "toy_regime": toy_doc.get("regime"),
               "loop_tolerance": lines[0].get("tolerance"), "toy_tolerance": cfg.tolerance,
-              "toy_config": to_dict(cfg), "toy": toy, "loop": loop, "transfer": transfer_verdict(toy, loop),
-              "wall_s": time.perf_counter() - start}
+              "toy_config": to_dict(cfg), "toy": toy, "loop": loop}
+    faith = faithfulness(toy_statistics(toy_doc, rules), run_statistics(lines, rules))
+    verdict_doc = transfer_verdict(toy, loop, faith["faithful"])
+    result.update({"faithfulness": faith, "transfer": verdict_doc["outcome"], "transfer_reason": verdict_doc["reason"],
+                   "wall_s": time.perf_counter() - start})
     from pdm_lab.audit_live import json_safe
 
     (out / "transfer.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n", encoding="utf-8")
     (out / "transfer.md").write_text(markdown(result), encoding="utf-8")
     return result
-
-
-def add_parser(subparsers) -> None:
-    """The ``transfer`` subcommand (registered by ``envs.commands.register_transfer``)."""
-    from pdm_lab.runtime.cli import int_at_least
-
-    from pdm_lab.envs.presets import AUDIT_PRESETS
-
-    p = subparsers.add_parser(
-        "transfer", help="toy audit calibrated to a scaling run vs the run's own audit (SPEC §6c): does the verdict transfer?",
-        description="Reads RUN_DIR/audit.jsonl and RUN_DIR/mismatch_sample.jsonl, calibrates the toy to the run's "
-                    "outside fraction, runs the toy audit with the run's rules, δ and K, and writes transfer.json and "
-                    "transfer.md: outside and disagreement fractions, unsafe-keep and shrink per rule, A − B, with CIs, "
-                    "toy vs loop, and whether the toy's verdict holds.")
-    p.add_argument("run_dir", type=Path, nargs="+",
-                   help="scaling run directories trained with audit.every=N (several: seeds of one setting, pooled)")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS), help="toy setting (default: paper)")
-    p.add_argument("--seeds", type=int_at_least(1), help="toy seeds (default: the preset's)")
-    p.add_argument("--mismatch", help="use this toy mismatch instead of calibrating")
-    p.add_argument("--n-boot", type=int_at_least(1), default=2000, help="bootstrap resamples")
-    p.add_argument("--search-iters", type=int_at_least(1), default=12, help="bisection steps of the calibration (default 12)")
-    p.add_argument("overrides", nargs="*", metavar="key.path=value", help="toy AuditConfig overrides, e.g. sequences=256")
-    p.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    from pdm_lab.config import ConfigError
-    from pdm_lab.errors import one_line
-
-    torch.set_num_threads(1)
-    try:
-        doc = run_transfer(args.run_dir, args.out, preset_name=args.preset, seeds=args.seeds, mismatch=args.mismatch,
-                           overrides=args.overrides, n_boot=args.n_boot, search_iters=args.search_iters)
-    except (FileNotFoundError, ValueError, ConfigError, KeyError) as err:
-        print(f"pdm-lab transfer: error: {one_line(err)}", file=sys.stderr)
-        return 2
-    print(markdown(doc))
-    print(f"written to {args.out / 'transfer.json'} and {args.out / 'transfer.md'}")
-    return 0

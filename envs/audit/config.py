@@ -1,0 +1,159 @@
+"""The direction audit's arguments (SPEC §6): ``AuditConfig``, the audited pair and step size.
+
+The step is stated, not hidden: the audited loss is the token *sum* Σ_t M_t·Â_t·r_t (no 1/N), so
+with SGD at ``lr`` = η every token's own logits move by η·Â·r·(e_k − π) in a tabular state: η is
+the effective per-token step.
+"""
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Annotated
+
+import torch
+
+from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, non_negative, one_of, positive
+from pdm_lab.mask_config import MaskConfig
+
+from pdm_lab.envs.policies.models import POLICY_KINDS
+from pdm_lab.envs.problems.mismatch import Mismatch
+from pdm_lab.envs.problems.problem import ProblemConfig
+from pdm_lab.envs.train.grpo import OPTIMIZERS
+
+QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+CONTEXTS = ("shared", "distinct")
+PRECISION = torch.float64
+
+
+@config_dataclass("")
+class AuditConfig:
+    """Arguments of the direction audit (defaults: the paper's 61 seeds × 1024 sequences)."""
+
+    problem: ProblemConfig = field(default_factory=ProblemConfig)
+    """environment (default: the softmax bandit, 64 prompts × 1000 tokens)."""
+    policy: str = "tabular"
+    """``tabular`` or ``neural``."""
+    hidden: Annotated[int, at_least(1)] = 64
+    """neural policy width."""
+    rules: tuple[str, ...] = ("dppo_topk_kl", "pdm_topk")
+    """the compared pair (A, B): A is the reference every other rule is also paired with."""
+    extra_rules: tuple[str, ...] = ("pdm_uniform", "pdm_agg", "pdm_exact")
+    """further rules, each audited against rules[0] (their own disagreement sets)."""
+    seeds: Annotated[int, in_range(1, 100_000)] = 61
+    """seeds, each with a fresh batch (paper: 61; beyond 10⁵ is a typo)."""
+    first_seed: Annotated[int, at_least(0)] = 0
+    """seeds are first_seed, first_seed + 1, …"""
+    sequences: Annotated[int, at_least(1)] = 1024
+    """sequences per batch (paper: 1024)."""
+    group_size: Annotated[int, at_least(2)] = 16
+    """G, sequences per prompt; ≥ 2, since advantages are normalised within the group."""
+    delta: Annotated[float, non_negative] = 0.15
+    """δ (paper: 0.15)."""
+    k: Annotated[int, at_least(1)] = 20
+    """K (paper: 20), at most the problem's vocabulary n."""
+    convention: str = "union"
+    """support convention."""
+    mismatch: str = "noise:1"
+    """μ's mismatch (see ``mismatch``); the presets use a realistic setting (SPEC §6b)."""
+    warmup_steps: Annotated[int, at_least(0)] = 0
+    """plain GRPO steps (rule ``none``, Adam, no mismatch) before the audited training."""
+    audit_at: tuple[int, ...] = (0,)
+    """training steps at which to audit (plain GRPO under the audited mismatch up to each); the
+    main study is at the last, the others form the trajectory."""
+    trajectory_seeds: Annotated[int, at_least(0)] = 8
+    """seeds audited at the earlier points of ``audit_at``."""
+    train_runs: Annotated[int, at_least(1)] = 1
+    """independently trained policies; audit seed s reads run s mod train_runs."""
+    train_groups: Annotated[int, at_least(1)] = 8
+    """prompts per training step (× group_size sequences)."""
+    train_lr: Annotated[float, positive] = 0.05
+    """Adam's learning rate in the audited training."""
+    context_features: Annotated[int, at_least(0)] = 0
+    """neural policy: hashed context features that overlap across contexts (0: none)."""
+    init_scale: Annotated[float, non_negative] = 0.01
+    """neural policy: std of the output layer's initial weights."""
+    flip_tokens: Annotated[int, at_least(0)] = 64
+    """per seed and rule, at most this many grown kept disagreement tokens are decomposed by cause
+    (SGD only; 0 to skip)."""
+    optimizer: str = "sgd"
+    """``sgd`` (the update direction SPEC §3 analyses), ``adam`` (a fresh Adam: a sign step) or
+    ``adamw`` (the loop's AdamW: the policy is trained with it and the audited step carries its
+    state — momentum and preconditioner — as a live step does)."""
+    lr: Annotated[float, positive] = 1e-3
+    """η, the effective per-token step: the audited loss is the token sum (no 1/N), so with SGD a
+    tabular token's logits move by η·Â·r·(e_k − π). Small: the audit tests first-order direction."""
+    tolerance: Annotated[float, non_negative] = 1e-12
+    """|ΔD| ≤ tolerance is flat (float64 rounding of D is ~1e-15)."""
+    contexts: tuple[str, ...] = CONTEXTS
+    """``shared`` and/or ``distinct`` (one token per state); the first is the main study."""
+    k_sweep: Annotated[tuple[int, ...], at_least(1)] = ()
+    """K values of the K-sweep study; empty to skip."""
+    k_sweep_seeds: Annotated[int, at_least(1)] = 6
+    """seeds per K in the K sweep."""
+    stress_mismatch: str = ""
+    """a stress setting (e.g. ``noise:1``) to re-run the main pair under; empty to skip."""
+    stress_seeds: Annotated[int, at_least(1)] = 8
+    """seeds of the stress study."""
+    n_boot: Annotated[int, at_least(1)] = 10_000
+    """bootstrap resamples."""
+    step_scales: tuple[float, ...] = ()
+    """further step sizes as multiples of ``lr`` (e.g. 0.1, 0.01): each rule's unsafe-keep, the
+    controls and the median |ΔD|/D at each (SPEC §6d; the run's own step, 1, always)."""
+    probe_tokens: Annotated[int, at_least(0)] = 0
+    """per seed, the outside tokens the own-update probe and the step decomposition read (SPEC §6d:
+    every disagreement token first, then a sample); 0: no probe."""
+
+    def __post_init__(self) -> None:
+        if len(self.rules) != 2:
+            raise ValueError(f"rules: the audit compares exactly two rules, got {list(self.rules)}")
+        for rule in self.all_rules:
+            self.mask(rule)  # unknown rule names raise here
+        Mismatch.parse(self.mismatch)
+        if self.stress_mismatch:
+            Mismatch.parse(self.stress_mismatch)
+        if self.sequences % self.group_size:
+            raise ConfigError(f"sequences ({self.sequences}) must be a multiple of group_size ({self.group_size})")
+        if not self.contexts or any(c not in CONTEXTS for c in self.contexts):
+            raise ConfigError(f"contexts: each of {', '.join(CONTEXTS)}, got {list(self.contexts)}")
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        for i, scale in enumerate(self.step_scales):
+            if not scale > 0 or scale != scale or scale == float("inf"):
+                raise ConfigError(f"step_scales[{i}]: a positive multiple of lr, got {scale!r}")
+        if not self.audit_at or any(s < 0 for s in self.audit_at) or list(self.audit_at) != sorted(set(self.audit_at)):
+            raise ConfigError(f"audit_at: training steps ≥ 0 in increasing order, got {list(self.audit_at)}")
+        one_of("policy", self.policy, POLICY_KINDS)
+        vocab = self.problem.vocab_size
+        for name, ks in (("k", (self.k,)), ("k_sweep", self.k_sweep)):
+            if ks and max(ks) > vocab:
+                raise ConfigError(f"{name}: K = {max(ks)} exceeds the vocabulary (problem.{self.problem.kind}"
+                                  f".vocab_size = {vocab})")
+
+    @property
+    def scales(self) -> tuple[float, ...]:
+        """The audited step sizes as multiples of ``lr``: 1 first, then ``step_scales``."""
+        return (1.0, *dict.fromkeys(float(s) for s in self.step_scales if float(s) != 1.0))
+
+    @property
+    def main_step(self) -> int:
+        """The training step of the main study (the last audit point)."""
+        return self.audit_at[-1]
+
+    def mask(self, rule: str, k: int | None = None) -> MaskConfig:
+        return MaskConfig(rule=rule, delta=self.delta, k=self.k if k is None else k,
+                          convention=self.convention)
+
+    @property
+    def all_rules(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.rules, *self.extra_rules)))
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        ref = self.rules[0]
+        return [(ref, r) for r in self.all_rules if r != ref]
+
+    def step_doc(self) -> dict:
+        """The audited step as audit.json states it."""
+        return {"optimizer": self.optimizer, "effective_per_token_step": self.lr,
+                "loss": "token sum of M·Â·r (no 1/N): with SGD a tabular token's logits move by "
+                        "η·Â·r·(e_k − π)" if self.optimizer == "sgd" else
+                        "token sum of M·Â·r, one fresh Adam step (each parameter moves by about η)"}
+
