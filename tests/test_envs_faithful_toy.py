@@ -192,3 +192,23 @@ def test_calibrate_from_run_reports_the_probe_statistics_and_which_match(doc, tm
     (run / "audit.jsonl").write_text(json.dumps({"step": 1, "rules": [A, B], "delta": 0.05, "k": 8}) + "\n")
     assert main(["calibrate", "--from-run", str(run), "--out", str(tmp_path / "c")]) == 0
     assert "no probe keys" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mismatch", ["bf16_engine:0", "fp8_engine:0", "outlier:0.3:1"])
+def test_engine_copies_of_the_transformer_are_a_function_of_the_context(mismatch):
+    policy, obs = policy_and_obs(rows=12)
+    policy = policy.float()
+    engine = Mismatch.parse(mismatch).behaviour_copy(policy)
+    with torch.no_grad():
+        gap = engine(obs) - policy(obs)
+        again = engine(obs) - policy(obs)
+    assert torch.equal(gap, again) and float(gap.abs().max()) > 0  # deterministic, and not nothing
+
+
+def test_the_step_size_figure_is_drawn_in_order_of_the_relative_change(doc, tmp_path):
+    from pdm_lab.envs.report.step_sizes import step_size_figure, step_size_rows
+
+    rows = step_size_rows(doc["step_scales"])
+    assert [r["scale"] for r in rows] == [0.01, 0.1, 1.0]
+    assert {A, B, "kept_by_all", "momentum_only"} <= set(rows[0]["series"])
+    assert step_size_figure(doc["step_scales"], tmp_path / "s.png").stat().st_size > 0
