@@ -100,7 +100,7 @@ def test_stage_configs_raise_config_error_with_a_hint():
     from pdm_lab.envs.sweep.grid import SweepConfig
 
     with pytest.raises(ConfigError, match="did you mean 'adam'"):
-        TrainConfig(optimizer="adamw")
+        TrainConfig(optimizer="adma")
     with pytest.raises(ConfigError, match="did you mean 'neural'"):
         TrainConfig(policy="nerual")
     with pytest.raises(ConfigError, match="eval_sequences"):
