@@ -152,8 +152,9 @@ class AuditConfig:
 
     def step_doc(self) -> dict:
         """The audited step as audit.json states it."""
-        return {"optimizer": self.optimizer, "effective_per_token_step": self.lr,
-                "loss": "token sum of M·Â·r (no 1/N): with SGD a tabular token's logits move by "
-                        "η·Â·r·(e_k − π)" if self.optimizer == "sgd" else
-                        "token sum of M·Â·r, one fresh Adam step (each parameter moves by about η)"}
+        loss = {"sgd": "token sum of M·Â·r (no 1/N): with SGD a tabular token's logits move by η·Â·r·(e_k − π)",
+                "adam": "token sum of M·Â·r, one fresh Adam step (each parameter moves by about η)",
+                "adamw": "token mean of M·Â·r (the training loss), one AdamW step carrying the trained run's "
+                         "state (momentum and preconditioner)"}[self.optimizer]
+        return {"optimizer": self.optimizer, "effective_per_token_step": self.lr, "loss": loss}
 

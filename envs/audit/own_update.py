@@ -123,6 +123,9 @@ def probe_and_decompose(cfg: AuditConfig, model: nn.Module, tokens: TokenBatch, 
     probe = probe_with_kernel(kernel, torch.arange(rows.numel()), support, logits, adv, ratio,
                               precondition=pre is not None, rules=list(cfg.all_rules),
                               disagreement=disagree[rows], mu_full_logp=sub.mu_full.double())
+    # w_t: how token t's surrogate enters the audited loss (``step.rule_steps``: token sum, or the
+    # token mean for AdamW)
+    weight = 1.0 / float(tokens.response_mask.sum()) if cfg.optimizer == "adamw" else 1.0
     decomp = {}
     for rule in cfg.rules:
         step = steps[rule]
@@ -131,7 +134,7 @@ def probe_and_decompose(cfg: AuditConfig, model: nn.Module, tokens: TokenBatch, 
             decomp[rule] = None
             continue
         decomp[rule] = decompose_live(kernel, params, step.recorder, support, logits, advantages=adv, ratio=ratio,
-                                      weights=torch.ones_like(adv), keep=keep, clip_factor=1.0,
+                                      weights=torch.full_like(adv, weight), keep=keep, clip_factor=1.0,
                                       d=before["topk_kl"][pick], realised=step.delta["topk_kl"][rows],
                                       memory=memory["topk_kl"][rows])
     return probe, decomp

@@ -88,7 +88,9 @@ def rule_steps(model: nn.Module, tokens: TokenBatch, mask: MaskConfig, cfg: Audi
     if record:
         opt = GradientRecorder(opt, list(trial.parameters()))
     opt.zero_grad(set_to_none=True)
-    (out.loss * tokens.response_mask.sum()).backward()
+    # the token sum makes lr the per-token step; AdamW carries a trained state, so its step takes
+    # the training loss's own normalisation (the token mean), or the new gradient would swamp it
+    (out.loss * (1 if cfg.optimizer == "adamw" else tokens.response_mask.sum())).backward()
     opt.step()
     stepped = [p.detach().clone() for p in trial.parameters()]
     sub = tokens.rows(focus)
