@@ -105,7 +105,7 @@ AUDIT_PRESETS: dict[str, AuditConfig] = {
     "stress": AuditConfig(mismatch="noise:1", seeds=16, k_sweep=(5, 20, 100), k_sweep_seeds=4),
     # SPEC §6d's toy faithful to the loop (docs/faithful-toy.md): a causal transformer with an untied
     # unembedding, trained and audited with the loop's AdamW (its state carried into the audited
-    # step), the own-update probe and the step decomposition at the run's step and ×10³ … ×10⁻²;
+    # step), the own-update probe and the step decomposition at the run's step and ×10⁴ … ×10⁻²;
     # responses of ~20 tokens (max 48) so the float64 transformer audit stays minutes
     "faithful": AuditConfig(**{**_AUDIT_NET, "policy": "transformer", "hidden": 32, "init_scale": 0.3,
                                "train_lr": 3e-3, "mismatch": "bf16_engine:0+lognormal:0.2",
@@ -113,7 +113,7 @@ AUDIT_PRESETS: dict[str, AuditConfig] = {
                                    vocab_size=256, max_len=48, paraphrases=64, prior_rows=4096, temperature=0.3,
                                    temperature_spread=1.5, eos_top_fraction=0.05, logit_offset=20.0))},
                             optimizer="adamw", lr=3e-4, seeds=5, sequences=256, audit_at=(5,), contexts=("shared",),
-                            extra_rules=(), n_boot=2000, flip_tokens=0, step_scales=(1000, 100, 10, 0.1, 0.01),
+                            extra_rules=(), n_boot=2000, flip_tokens=0, step_scales=(10000, 1000, 100, 10, 0.1, 0.01),
                             probe_tokens=64),
 }
 
