@@ -212,3 +212,12 @@ def test_the_step_size_figure_is_drawn_in_order_of_the_relative_change(doc, tmp_
     assert [r["scale"] for r in rows] == [0.01, 0.1, 1.0]
     assert {A, B, "kept_by_all", "momentum_only"} <= set(rows[0]["series"])
     assert step_size_figure(doc["step_scales"], tmp_path / "s.png").stat().st_size > 0
+
+
+def test_the_step_size_figure_takes_a_rate_of_one_whose_wilson_bound_rounds_below_it(tmp_path):
+    from pdm_lab.envs.report.step_sizes import step_size_figure
+
+    entry = {"unsafe_keep": 1.0, "lo": 0.9, "hi": 1.0 - 1e-16, "count": 30}
+    rec = {"steps/lr_scale": 1.0, "steps/median_abs_dd_over_d": {"value": 2.0}, f"steps/unsafe_keep/{A}": entry,
+           f"steps/unsafe_keep/{B}": {**entry, "count": 0}}
+    assert step_size_figure({"1": rec}, tmp_path / "one.png").stat().st_size > 0

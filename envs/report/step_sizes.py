@@ -42,7 +42,8 @@ def step_size_figure(records: dict, path: Path, title: str = "") -> Path:
             continue
         xs = [x for x, _ in pts]
         ys = [s["rate"] for _, s in pts]
-        err = [[s["rate"] - s["lo"] for _, s in pts], [s["hi"] - s["rate"] for _, s in pts]]
+        # Wilson bounds can sit a rounding error inside the rate at 0 or 1
+        err = [[max(s["rate"] - s["lo"], 0.0) for _, s in pts], [max(s["hi"] - s["rate"], 0.0) for _, s in pts]]
         style = "--" if name in ("kept_by_all", "momentum_only") else "-"
         ax.errorbar(xs, ys, yerr=err, fmt="o" + style, capsize=3, ms=4, lw=1, label=name)
     ax.set_xscale("log")
