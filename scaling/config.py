@@ -39,7 +39,10 @@ class TinyModelConfig:
     intermediate_size: Annotated[int, at_least(1)] = 128
     """MLP width."""
     vocab_size: Annotated[int, at_least(2)] = 512
-    """Tokenizer and embedding size (byte-level BPE trained locally)."""
+    """Embedding (model id) size; the tokenizer's real vocabulary may be smaller (Qwen3: 151,936
+    ids, ~151.7k tokens); the ids it never emits get only the tied head's push-down: the tail of μ."""
+    tokenizer_vocab_size: Annotated[int, at_least(2)] | None = None
+    """Tokens the byte-level BPE learns (None: ``vocab_size``); at most ``vocab_size``."""
     max_position_embeddings: Annotated[int, at_least(2)] = 256
     """Longest prompt + response."""
     init_std: Annotated[float, positive] = 0.02
@@ -61,6 +64,9 @@ class TinyModelConfig:
     something to sharpen."""
 
     def __post_init__(self) -> None:
+        if self.tokenizer_vocab_size is not None and self.tokenizer_vocab_size > self.vocab_size:
+            raise ConfigError(f"model.tiny.tokenizer_vocab_size ({self.tokenizer_vocab_size}) exceeds "
+                              f"vocab_size ({self.vocab_size}): every token needs an embedding row")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"model.tiny.num_attention_heads ({self.num_attention_heads}) must be a multiple "
                               f"of num_key_value_heads ({self.num_key_value_heads}): each KV head serves a "

@@ -87,7 +87,7 @@ def corrupt(answer: str, rng: random.Random) -> str:
 
 
 def sft_warmup(model, tokenizer, examples: list[dict], *, steps: int, lr: float, batch_size: int,
-               seed: int, noise: float = 0.0, log_every: int = 50) -> list[float]:
+               seed: int, noise: float = 0.0, log_every: int = 50, device: str = "cpu") -> list[float]:
     """Supervised warm-up: cross-entropy on answer tokens (+ end-of-turn) only. Returns losses.
 
     ``noise``: fraction of examples whose answer is corrupted (fixed per example).
@@ -117,9 +117,10 @@ def sft_warmup(model, tokenizer, examples: list[dict], *, steps: int, lr: float,
             ids[i, :n] = torch.tensor(p + a)
             labels[i, len(p):n] = torch.tensor(a)
             attn[i, :n] = 1
+        ids, labels, attn = ids.to(device), labels.to(device), attn.to(device)
         for g in opt.param_groups:  # cosine decay to 10%
             g["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss = answer_loss(model, ids, attn, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -132,9 +133,23 @@ def sft_warmup(model, tokenizer, examples: list[dict], *, steps: int, lr: float,
     return losses
 
 
+def answer_loss(model, ids, attn, labels):
+    """Mean cross-entropy on the labelled (answer) tokens; same as ``model(..., labels=).loss``,
+    but ``lm_head`` runs only at the positions that predict a label: with a 151,936-id embedding
+    the logits of the prompt positions would dominate a CPU step."""
+    hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]  # [B, T-1, H]
+    target = labels[:, 1:]
+    keep = target != -100
+    logits = model.lm_head(hidden[keep])  # [N, V]
+    return torch.nn.functional.cross_entropy(logits, target[keep])
+
+
 def tiny_model_spec(tiny, synthetic) -> dict:
     """Everything that determines the built model (the cache key)."""
-    return {"version": BUILD_VERSION, "tiny": dataclasses.asdict(tiny),
+    fields = dataclasses.asdict(tiny)
+    if fields.get("tokenizer_vocab_size") is None:  # keeps the cache keys of earlier configs
+        fields.pop("tokenizer_vocab_size", None)
+    return {"version": BUILD_VERSION, "tiny": fields,
             "task": dataclasses.asdict(synthetic)}
 
 
@@ -148,14 +163,16 @@ def ensure_tiny_model(tiny, synthetic) -> Path:
     def build(out: Path) -> None:
         corpus = corpus_for_tokenizer(synthetic.name, seed=synthetic.seed + 7,
                                       max_value=synthetic.max_value, length=synthetic.length)
-        tokenizer = build_tokenizer(corpus, tiny.vocab_size)
+        tokenizer = build_tokenizer(corpus, tiny.tokenizer_vocab_size or tiny.vocab_size)
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         model = build_model(tiny, tiny.vocab_size, eos, tokenizer.pad_token_id)
         # warm-up examples come from a stream disjoint from the train/eval files' seeds
         examples = sample_examples(synthetic.name, 4096, seed=synthetic.seed + 13,
                                    max_value=synthetic.max_value, length=synthetic.length)
-        sft_warmup(model, tokenizer, examples, steps=tiny.sft_steps, lr=tiny.sft_lr,
-                   batch_size=tiny.sft_batch_size, seed=tiny.seed, noise=tiny.sft_noise)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # a 0.6B-like build needs the GPU
+        sft_warmup(model.to(device), tokenizer, examples, steps=tiny.sft_steps, lr=tiny.sft_lr,
+                   batch_size=tiny.sft_batch_size, seed=tiny.seed, noise=tiny.sft_noise, device=device)
+        model = model.cpu()
         model.generation_config.eos_token_id = eos
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(out, safe_serialization=True)
