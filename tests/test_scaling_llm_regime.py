@@ -129,3 +129,22 @@ def test_answer_loss_matches_transformers_loss():
     torch.testing.assert_close(ours.detach().double(), ref.detach().double(), rtol=1e-6, atol=0)
     labels[1, 6] = 5  # a planted change in one label moves the loss
     assert not torch.isclose(answer_loss(model, ids, attn, labels).detach().double(), ref.detach().double())
+
+
+def test_offline_regime_of_engine_copies(tmp_path, monkeypatch):
+    """The offline table has §6b's fields; an fp32 engine copy has D = 0, an fp8 one does not."""
+    from scaling.assets import model_dir
+    from scaling.config import load_config
+    from scaling.llm_regime import measure
+
+    monkeypatch.setenv("PDM_LAB_CACHE", str(tmp_path))
+    cfg = load_config(LLM, SMALL)
+    rows = [{"prompt": "reverse 1 2 3 4", "answer": "4321"}, {"prompt": "reverse 5 6 7", "answer": "765"}]
+    same = measure(model_dir(cfg), rows, precision="fp32", samples=2, max_tokens=4)
+    fp8 = measure(model_dir(cfg), rows, precision="fp8", samples=2, max_tokens=4)
+    for rec in (same, fp8):
+        for key in ("outside_fraction", "tail_ratio", "topk_mass_ge_099", "d_quantiles", "exact_match"):
+            assert key in rec, key
+        assert rec["vocab_size"] == 151936 and rec["tokenizer_tokens"] < rec["vocab_size"]
+    assert same["d_quantiles"]["max"] == 0.0
+    assert fp8["d_quantiles"]["max"] > 0.0
