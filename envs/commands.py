@@ -176,10 +176,13 @@ def sweep_main(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"sweep-{args.preset}"
     run_audit_too = args.audit if args.audit is not None else args.preset == "quick"
     audit = preset(AUDIT_PRESETS, args.preset) if run_audit_too else None
+    # the quick job also audits a stress setting where the rules separate (said to be one)
+    stress = AUDIT_PRESETS["stress-bandit"] if run_audit_too and args.preset == "quick" else None
     executor = make_executor(args.executor, args.workers, args.ray_address)
     try:
         status = sweep_to_dir(cfg, out, executor=executor, audit=audit, progress=not args.quiet,
-                              force=args.force, move_aside=args.move_aside, wandb=wandb_config_from_args(args))
+                              force=args.force, move_aside=args.move_aside, wandb=wandb_config_from_args(args),
+                              stress_audit=stress)
     except ResultsError as err:  # a results folder that cannot be used: bad input, exit status 2
         print(f"pdm-lab sweep: error: {err}", file=sys.stderr)
         return 2

@@ -36,12 +36,13 @@ def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True, wa
 
 def sweep_to_dir(cfg: SweepConfig, out: str | Path, *, executor=None, audit: AuditConfig | None = None,
                  progress: bool = True, title: str = "pdm_lab toy sweep", force: bool = False,
-                 move_aside: bool = False, wandb=None) -> dict:
+                 move_aside: bool = False, wandb=None, stress_audit: AuditConfig | None = None) -> dict:
     """Run (or resume) the sweep, optionally the audit, then the table, figures and report.md
     (``force``: over another grid's results; ``move_aside``: another grid's folder is renamed
     ``<out>.<UTC time>`` first; see ``sweep.claim_out``). Returns the status, with ``moved_to``
     when a folder was moved aside. ``wandb``: a ``WandbConfig`` (``envs.report.to_wandb``: one
-    W&B run per cell × seed and one report run)."""
+    W&B run per cell × seed and one report run). ``stress_audit``: a second audit, in a stress
+    setting where the rules separate, reported beside the first (``stress-audit/``)."""
     out = Path(out)
     moved = None
     if move_aside and not force:
@@ -52,23 +53,16 @@ def sweep_to_dir(cfg: SweepConfig, out: str | Path, *, executor=None, audit: Aud
                 moved = outputs_move_aside(out)
     claim_out(cfg, out, force=force)  # before the lock: a refused sweep leaves nothing in out
     with DirLock(out, what="sweep output"):  # held through the report too (re-entrant)
-        status = _sweep_to_dir_locked(cfg, out, executor, audit, progress, title, force, wandb)
+        status = _sweep_to_dir_locked(cfg, out, executor, audit, progress, title, force, wandb, stress_audit)
     return {**status, "moved_to": str(moved) if moved else None}
 
 
 def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConfig | None,
-                         progress: bool, title: str, force: bool, wandb=None) -> dict:
+                         progress: bool, title: str, force: bool, wandb=None, stress_audit=None) -> dict:
     start = time.perf_counter()
     status = run_sweep(cfg, out, executor=executor, progress=progress, force=force)
-    audit_doc, audit_figs = None, None
-    if audit is not None:
-        audit_json = out / "audit" / "audit.json"
-        if audit_json.exists() and json.loads(audit_json.read_text())["config"] == _audit_dict(audit):
-            audit_doc = json.loads(audit_json.read_text())  # resumed: the audit is already done
-            audit_figs = audit_figures(audit_doc, out / "audit")
-        else:
-            audit_doc = audit_to_dir(audit, out / "audit", progress=progress)
-            audit_figs = audit_figures(audit_doc, out / "audit")
+    audit_doc, audit_figs = _audit_into(audit, out / "audit", progress)
+    stress_doc, stress_figs = _audit_into(stress_audit, out / "stress-audit", progress)
     runs = load_runs(cfg, out)
     figs = sweep_figures(runs, out / "figures") if runs else {}
     b = cfg.base
@@ -90,7 +84,8 @@ def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConf
                         + (" …" if len(bad) > 10 else "") + ".")
     regime = sweep_regime(cfg, out)
     report = write_report(out / "report.md", title=title, intro=intro, rows=[r["row"] for r in runs],
-                          sweep_figs=figs, audit=audit_doc, audit_figs=audit_figs, regime=regime)
+                          sweep_figs=figs, audit=audit_doc, audit_figs=audit_figs, regime=regime,
+                          stress_audit=stress_doc, stress_figs=stress_figs)
     if wandb is not None and wandb.enabled:
         from pdm_lab.envs.report.to_wandb import log_sweep
 
@@ -98,6 +93,19 @@ def _sweep_to_dir_locked(cfg: SweepConfig, out: Path, executor, audit: AuditConf
         status = {**status, "wandb_runs": log_sweep(wandb, cfg, out, regime=regime, audit_doc=audit_doc, images=images)}
     return {**status, "report": str(report), "runs": len(runs), "nonfinite": len(bad),
             "wall_s": time.perf_counter() - start}
+
+
+def _audit_into(audit: AuditConfig | None, folder: Path, progress: bool) -> tuple[dict | None, dict | None]:
+    """(audit.json's document, its figures) of ``audit`` in ``folder``: read back when that folder
+    holds the same configuration's audit, run otherwise; (None, None) without an audit."""
+    if audit is None:
+        return None, None
+    audit_json = folder / "audit.json"
+    if audit_json.exists() and json.loads(audit_json.read_text())["config"] == _audit_dict(audit):
+        doc = json.loads(audit_json.read_text())  # resumed: the audit is already done
+    else:
+        doc = audit_to_dir(audit, folder, progress=progress)
+    return doc, audit_figures(doc, folder)
 
 
 def sweep_regime(cfg: SweepConfig, out: Path, *, seeds: int = 1, sequences: int = 256) -> dict[str, dict]:

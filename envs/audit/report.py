@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from pdm_lab.audit import INSUFFICIENT
+
 
 def _pct(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
@@ -26,9 +28,13 @@ def verdict_lines(doc: dict) -> list[str]:
     pair = doc["pairs"][0]
     data, power = pair["data"], pair["power"]
     needed = power["seeds_needed"]
-    lines = ["### Verdict (main study, training step %d)" % pair.get("audit_step", doc.get("audit_step", 0)), "",
-             f"- per seed: {pair['verdict']}",
-             f"- pooled over seeds: {pair['pooled_verdict']}",
+    same = pair["verdict"] == pair["pooled_verdict"]  # "insufficient data" and its reason, said once
+    lines = ["### Verdict (main study, training step %d)" % pair.get("audit_step", doc.get("audit_step", 0)), ""]
+    lines += ([f"- per seed and pooled over seeds: {pair['verdict']}" if not pair["verdict"].startswith(INSUFFICIENT)
+               else "- per seed and pooled over seeds: none drawn (the data line below and the summary table say why)"]
+              if same else
+              [f"- per seed: {pair['verdict']}", f"- pooled over seeds: {pair['pooled_verdict']}"])
+    lines += [
              f"- data: {data['seeds_with_both']} seeds gave kept disagreement tokens to both rules; "
              f"{data['tokens_a']} / {data['tokens_b']} kept disagreement tokens pooled "
              f"(a verdict needs ≥ {data['min_seeds']} seeds and ≥ {data['min_tokens']} tokens each).",
@@ -44,14 +50,18 @@ def self_test_lines(doc: dict) -> list[str]:
     test = doc.get("self_test")
     if not test:
         return []
-    status = {True: "**passed**", False: "**FAILED**", None: "not tested (too few kept tokens)"}[test["passed"]]
+    least = test.get("min_tokens", 20)
+    status = {True: "**passed**", False: "**FAILED**",
+              None: f"not tested (no matched rule kept ≥ {least} disagreement tokens)"}[test["passed"]]
     lines = ["### Self-test (one token per state)", "",
              "With one token per state each token's ΔD comes from its own update alone, so a rule whose Ḋ is "
              "the exact derivative of the divergence it is scored against keeps no divergence-growing update "
              "to first order. This checks the audit; it is not evidence about PDM. Result: " + status + ".", ""]
     for rule, c in test["checks"].items():
+        state = ("not tested: too few kept tokens" if not c.get("tested", True)
+                 else "passed" if c["passed"] else "FAILED")
         lines.append(f"- {rule} on {c['scored_against']}: unsafe-keep {_pct(c['unsafe_keep'])} over {c['kept']} kept "
-                     f"tokens (limit {_pct(test['max_unsafe'])})")
+                     f"tokens (limit {_pct(test['max_unsafe'])} over ≥ {least}): {state}")
     return lines + [""]
 
 
@@ -67,7 +77,8 @@ def trajectory_lines(doc: dict) -> list[str]:
         lines.append(f"| {p['step']} | {p['seeds']} | {p['outside_mean']:.1f} | {p['disagreement_mean']:.1f} | "
                      f"{_pct(p[a]['unsafe_keep_pooled'])} ({p[a]['kept_disagreement_tokens']}) | "
                      f"{_pct(p[b]['unsafe_keep_pooled'])} ({p[b]['kept_disagreement_tokens']}) | "
-                     f"{_ci(p['unsafe_keep_diff'])} | {p['verdict']} |")
+                     f"{_ci(p['unsafe_keep_diff'])} | "
+                     + ("the main study (above)" if p["step"] == doc["pairs"][0].get("audit_step") else p["verdict"]) + " |")
     return lines + [""]
 
 
@@ -128,8 +139,9 @@ def paper_lines(doc: dict) -> list[str]:
              f"{side['seeds_used']} ({side['ties']} ties) |",
              f"| unsafe-keep A − B, per seed [95% paired bootstrap CI] | 0.027 (no CI) | {_ci(d)} |",
              f"| shrink A − B [95% CI] | −0.022 (no CI) | {_ci(sh)} |",
-             f"| sign test p | ≈ {paper['sign_test_p']} | {d['sign_test_p']:.3g} |", "",
-             f"Verdict: {side['verdict']}", ""]
+             f"| sign test p | ≈ {paper['sign_test_p']} | {d['sign_test_p']:.3g} |", ""]
+    if side["verdict"] != doc["pairs"][0]["verdict"]:  # the main verdict is stated once, above
+        lines += [f"Verdict: {side['verdict']}", ""]
     return lines
 
 
