@@ -48,6 +48,9 @@ def test_quick_preset_end_to_end(tmp_path):
     for png in ("learning_curves", "final_reward_vs_mismatch", "collapse_vs_mismatch",
                 "unsafe_keep_vs_mismatch", "mask_fraction_vs_mismatch"):
         assert (out / "figures" / f"{png}.png").stat().st_size > 1000
+    # the report opens with its summary; the stress audit separates the rules, said to be a stress setting
+    assert report.startswith("# pdm_lab toy sweep\n\n## Summary\n") and "a short job" in report
+    assert "Separated (the interval excludes 0): `noise:1` (**stress**)" in report
     audit = json.loads((out / "audit" / "audit.json").read_text())
     assert len(audit["per_seed"]) == 2 and audit["pairs"][0]["audit_step"] > 0  # the quick audit: a trained point
     again = run("sweep", "--preset", "quick", cwd=tmp_path)  # resumes: nothing to recompute
