@@ -5,6 +5,7 @@ the policy loss and its metrics. ``pdm_lab.proofs``, ``pdm_lab.envs`` and ``pdm_
 all call these functions.
 """
 from .aggregation import DPInfo
+from .audit_live import LiveAuditConfig
 from .config import ConfigError
 from pdm_lab.mask_config import MaskConfig
 from .diagnose import diagnose
@@ -21,7 +22,7 @@ from .support import Support, support_from_full, support_from_slots, support_fro
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "DDOT_ESTIMATORS", "DPInfo", "LossOutput", "MASK_RULES", "MaskConfig", "PDMInputError",
+    "ConfigError", "DDOT_ESTIMATORS", "DPInfo", "LiveAuditConfig", "LossOutput", "MASK_RULES", "MaskConfig", "PDMInputError",
     "PolicyOnSupport", "Support", "TokenStats", "aggregate", "compute_mask", "diagnose",
     "pdm_policy_loss", "pdm_policy_loss_reference", "policy_on_support", "policy_on_support_reference",
     "register_ddot_estimator",

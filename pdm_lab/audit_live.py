@@ -19,11 +19,10 @@ Rates are NaN where nothing was counted; ``json_safe`` writes them as null.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Annotated
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,8 +30,9 @@ from torch import Tensor
 
 from .audit import delta_rates
 from .config import ConfigError, at_least, config_dataclass, non_negative, one_of
-from .errors import PDMInputError
+from .host_snapshot import HostSnapshot, restore_optimizer, restore_params  # noqa: F401  (the audit's snapshot)
 from .masks import MASK_RULES
+from .probe import support_in_float64  # noqa: F401  (re-exported: the stages' measurement support)
 
 COUNT_KEYS = ("count", "grew", "shrank", "flat_count")
 
@@ -58,114 +58,27 @@ class LiveAuditConfig:
     """|ΔD| ≤ tolerance counts as flat: D is measured with lm_head and the softmax in float64 on
     the trainer's decoder, which is deterministic, so a step that does not move a token gives
     ΔD = 0 exactly."""
+    probe_tokens: Annotated[int, at_least(0)] = 32
+    """The own-update probe and the step decomposition (SPEC §6d) on at most this many outside
+    tokens per audited step, over all ranks, every disagreement token first (0: off). Each probed
+    token costs about four passes of the model per kernel (K, J P Jᵀ, and one per rule)."""
+    step_scales: tuple[float, ...] = (1.0, 0.1, 0.01)
+    """Audit each rule's step at these multiples of the run's learning rate (1 is always run):
+    unsafe-keep per rule against median |ΔD|/D, beside the kept-by-all and momentum-only controls."""
 
     def __post_init__(self) -> None:
         if len(self.rules) < 2:
             raise ConfigError(f"audit.rules: compare at least two rules, got {list(self.rules)}")
         for i, rule in enumerate(self.rules):
             one_of(f"audit.rules[{i}]", rule, MASK_RULES)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard → its local tensor
-
-
-def _host_copy(t: Tensor) -> Tensor:
-    return _local(t).detach().to("cpu", copy=True)
-
-
-@dataclass
-class HostSnapshot:
-    """What one optimiser step changes, on the host: take before the audit, restore after it."""
-
-    params: list[Tensor]
-    """each parameter's local shard."""
-    grads: list[Tensor | None]
-    """each parameter's gradient (None where it had none)."""
-    state: list[dict | None]
-    """the optimiser's state per parameter (None: it had none, e.g. before AdamW's first step)."""
-    groups: list[dict] = field(default_factory=list)
-    """the param groups' settings (lr, betas, …), without their parameter lists."""
-    rng: Tensor | None = None
-    """torch's CPU generator state."""
-
-    @classmethod
-    @torch.no_grad()
-    def take(cls, params: list[Tensor], optimizer: torch.optim.Optimizer) -> "HostSnapshot":
-        state = []
-        for p in params:
-            st = optimizer.state.get(p)
-            state.append(None if not st else {k: _host_copy(v) if torch.is_tensor(v) else copy.deepcopy(v)
-                                              for k, v in st.items()})
-        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return cls(params=[_host_copy(p) for p in params],
-                   grads=[None if p.grad is None else _host_copy(p.grad) for p in params],
-                   state=state, groups=groups, rng=torch.get_rng_state())
+        for i, scale in enumerate(self.step_scales):
+            if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+                raise ConfigError(f"audit.step_scales[{i}]: a positive multiple of the learning rate, got {scale!r}")
 
     @property
-    def nbytes(self) -> int:
-        """Host bytes held (parameters, gradients, optimiser state)."""
-        total = sum(t.numel() * t.element_size() for t in self.params)
-        total += sum(t.numel() * t.element_size() for t in self.grads if t is not None)
-        for st in self.state:
-            total += sum(v.numel() * v.element_size() for v in (st or {}).values() if torch.is_tensor(v))
-        return total
-
-    def restore(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
-        """Everything back, bit for bit, in place."""
-        if len(params) != len(self.params):
-            raise PDMInputError(f"params: {len(params)} tensors, the snapshot holds {len(self.params)}")
-        restore_params(self, params)
-        restore_optimizer(self, params, optimizer)
-        if self.rng is not None:
-            torch.set_rng_state(self.rng)
-
-
-@torch.no_grad()
-def restore_params(snap: HostSnapshot, params: list[Tensor]) -> None:
-    """Parameters and gradients back from the snapshot (in place: shards keep their placement)."""
-    for p, saved, grad in zip(params, snap.params, snap.grads):
-        _local(p).copy_(saved)
-        if grad is None:
-            p.grad = None
-        elif p.grad is not None:
-            _local(p.grad).copy_(grad)
-        elif hasattr(p, "to_local"):
-            raise PDMInputError("params: a sharded gradient the snapshot holds was freed; cannot rebuild it")
-        else:  # freed by a zero_grad(set_to_none=True) of the audited step
-            p.grad = grad.to(p.device, copy=True)
-
-
-@torch.no_grad()
-def restore_optimizer(snap: HostSnapshot, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
-    """The optimiser's state and param-group settings back from the snapshot; state created since
-    (the first step of a fresh AdamW) is removed, so the next real step is its first again."""
-    for p, saved in zip(params, snap.state):
-        if saved is None:
-            optimizer.state.pop(p, None)
-            continue
-        live = optimizer.state[p]
-        for key in list(live):
-            if key not in saved:
-                del live[key]
-        for key, value in saved.items():
-            current = live.get(key)
-            if torch.is_tensor(value) and torch.is_tensor(current) and _local(current).shape == value.shape:
-                _local(current).copy_(value)
-            elif torch.is_tensor(value):
-                raise PDMInputError(f"optimizer state {key!r}: its tensor was replaced; cannot restore in place")
-            else:
-                live[key] = copy.deepcopy(value)
-    for group, saved in zip(optimizer.param_groups, snap.groups):
-        group.update(copy.deepcopy(saved))
-
-
-def support_in_float64(support):
-    """μ's support as the rules built it (in the engine's dtype, whose rounding its checks allow),
-    with μ cast to float64 for the measurement of D. Casting first and building in float64 would
-    re-check a float32 head mass of 1 + 1e-8 against float64 rounding and refuse it."""
-    return dataclasses.replace(support, mu_logp=support.mu_logp.double(), mu_tail_logp=support.mu_tail_logp.double(),
-                               mu_kth_logp=support.mu_kth_logp.double())
+    def scales(self) -> tuple[float, ...]:
+        """The audited multiples of the learning rate, the run's own (1) first."""
+        return (1.0, *dict.fromkeys(float(s) for s in self.step_scales if float(s) != 1.0))
 
 
 def pairs_of(rules: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
@@ -296,3 +209,151 @@ def gather_objects(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+@dataclass
+class StepOutcome:
+    """What a stage's audited step reports, per audited token [n] (this rank's)."""
+
+    keep: Tensor
+    """the rule's keep mask (bool)."""
+    topk_kl: Tensor
+    """D at θ₀ as the loss computed it (the rules' own statistics)."""
+    mu_tail: Tensor
+    advantages: Tensor
+    ratio: Tensor
+    weights: Tensor | None = None
+    """w_t (``probe_record.token_weights``), for the decomposition's own term."""
+    clip_factor: float = 1.0
+    """κ = min(1, max_norm/‖G‖) of the step's gradient clip."""
+
+
+@dataclass
+class ProbeView:
+    """The probed rows as the probe needs them: μ's support (float64), π's processed logits [M, V]
+    float64 at θ₀ and a ``LogitKernel`` over those rows (with ``directional``)."""
+
+    support: Any
+    logits: Tensor
+    kernel: Any
+
+
+class LiveAuditStage(Protocol):
+    """What a trainer supplies to ``run_live_audit`` (the loop's and TRL's adapters)."""
+
+    params: list[Tensor]
+    optimizer: torch.optim.Optimizer
+
+    def step(self, rule: str, optimizer, *, lr_scale: float, zero_advantages: bool) -> StepOutcome:
+        """One optimiser step over the audited batch with ``rule``'s mask (δ the audit's), at
+        ``lr_scale`` × the run's learning rate, every Â = 0 when ``zero_advantages``; steps with
+        ``optimizer`` (the stage's own, or a recorder wrapping it)."""
+        ...
+
+    def measure(self) -> Tensor:
+        """[n] D of the audited tokens at the current θ, in float64 (collective)."""
+        ...
+
+    def probe_view(self, rows: Tensor, preconditioner) -> ProbeView:
+        """The probed rows (this rank's ``rows`` into its n tokens; collective, possibly none)."""
+        ...
+
+
+def run_live_audit(stage: LiveAuditStage, *, rules, cfg: LiveAuditConfig, mask_cfg, delta: float, contexts: int,
+                   seed: int = 0) -> dict:
+    """SPEC §6c's audit of one live batch, once for every trainer: snapshot; D before; per step size
+    and rule one step from the same θ and optimiser state, D after, restore; the momentum-only
+    step (Â = 0) likewise; the outside set from the reference rule's stats; the own-update probe
+    and the step decomposition (SPEC §6d) on up to ``cfg.probe_tokens`` outside tokens; every
+    rank's record merged. Collective: every rank calls it at the same step.
+
+    Returns the record: ``step_record``'s keys at the run's step, ``tokens``, ``zero_advantage``,
+    ``regime``, ``step_scales`` (scale → ``step_scale_record``), ``probe`` (``own_update_probe``'s
+    keys), ``decomposition`` (rule → ``step_decomposition``'s keys), ``host_snapshot_bytes``,
+    ``time/probe_s``.
+    """
+    import dataclasses as _dc
+
+    from .audit import regime_table
+    from .central_difference import _world, adam_preconditioner
+    from .masks import outside_region
+    from .probe import pool_decomposition, pool_probe, probe_rows, probe_with_kernel
+    from .probe_record import GradientRecorder, decompose_live, step_scale_record
+
+    rules = tuple(dict.fromkeys(rules))
+    probing = cfg.probe_tokens > 0
+    snapshot = HostSnapshot.take(stage.params, stage.optimizer)
+    before = stage.measure()
+    keep, first, recorders, dd, memory = {}, None, {}, {}, {}
+    for scale in cfg.scales:
+        dd[scale] = {}
+        for rule in (*rules, None):  # None: the momentum-only step (every Â = 0)
+            opt = GradientRecorder(stage.optimizer, stage.params) if probing and scale == 1.0 and rule else stage.optimizer
+            out = stage.step(rule or rules[0], opt, lr_scale=scale, zero_advantages=rule is None)
+            after = stage.measure()
+            snapshot.restore(stage.params, stage.optimizer)
+            if rule is None:
+                memory[scale] = after - before
+                continue
+            dd[scale][rule] = after - before
+            if scale == 1.0:
+                keep[rule], first = out.keep.bool(), first or out
+                if opt is not stage.optimizer:
+                    recorders[rule] = opt
+    adv = first.advantages
+    considered = adv != 0
+    outside = outside_region(first.topk_kl, adv, _dc.replace(mask_cfg, delta=delta, delta_neg=None)) & considered
+    local = step_record(rules, keep, {r: {"topk_kl": dd[1.0][r], "full_kl": None} for r in rules}, outside,
+                        cfg.tolerance)
+    local.update(tokens=int(adv.numel()), zero_advantage=int((~considered).sum()), contexts=contexts)
+
+    probe = decomp = None
+    t_probe = time.perf_counter()
+    if probing:
+        masks = torch.stack([keep[r] for r in rules])
+        disagree = outside & ~(masks.all(0) | ~masks.any(0))
+        rows = probe_rows(outside.cpu(), disagree.cpu(), -(-cfg.probe_tokens // _world()), seed=seed)
+        pre = adam_preconditioner(stage.optimizer, stage.params)
+        view = stage.probe_view(rows.to(adv.device), pre)
+        probe = probe_with_kernel(view.kernel, torch.arange(rows.numel()), view.support, view.logits,
+                                  adv[rows].cpu(), first.ratio[rows].cpu(), precondition=pre is not None,
+                                  rules=rules, cfg=mask_cfg, disagreement=disagree[rows].cpu())
+        decomp = {}
+        for rule, rec in recorders.items():
+            decomp[rule] = decompose_live(
+                view.kernel, stage.params, rec, view.support, view.logits, advantages=adv[rows].cpu(),
+                ratio=first.ratio[rows].cpu(), weights=first.weights[rows].cpu(), keep=keep[rule][rows].cpu(),
+                clip_factor=first.clip_factor, d=before[rows].cpu(), realised=dd[1.0][rule][rows].cpu(),
+                memory=memory[1.0][rows].cpu())
+    probe_s = time.perf_counter() - t_probe
+
+    tokens = {"d": before.cpu(), "outside": outside.cpu(), "considered": considered.cpu(),
+              "mu_tail": first.mu_tail.double().cpu(), "d32": first.topk_kl.double().cpu(),
+              "keep": {r: keep[r].cpu() for r in rules}, "dd": {s: {r: x.cpu() for r, x in v.items()} for s, v in dd.items()},
+              "memory": {s: x.cpu() for s, x in memory.items()}}
+    gathered = gather_objects((local, tokens, probe, decomp))
+    record = merge_records([g[0] for g in gathered])
+    record.update(tokens=sum(g[0]["tokens"] for g in gathered),
+                  zero_advantage=sum(g[0]["zero_advantage"] for g in gathered))
+    contexts_all = sum(g[0]["contexts"] for g in gathered)
+    cat = lambda f: torch.cat([f(g[1]) for g in gathered])  # noqa: E731
+    if cat(lambda t: t["d32"]).numel():
+        record["regime"] = regime_table(cat(lambda t: t["d32"]), cat(lambda t: t["outside"]),
+                                        cat(lambda t: t["considered"]), topk_mass=1.0 - cat(lambda t: t["mu_tail"]),
+                                        tokens_per_state=record["tokens"] / max(contexts_all, 1))
+    keep_all = {r: cat(lambda t: t["keep"][r]) for r in rules}
+    record["step_scales"] = {
+        f"{s:g}": step_scale_record(rules, keep_all, {r: cat(lambda t: t["dd"][s][r]) for r in rules},
+                                    cat(lambda t: t["memory"][s]), cat(lambda t: t["d"]), cat(lambda t: t["outside"]),
+                                    cfg.tolerance, s)
+        for s in cfg.scales}
+    probes = [g[2] for g in gathered if g[2] and g[2]["probe/tokens"]]
+    record["probe"] = pool_probe(probes) if probes else None
+    if probing:
+        record["decomposition"] = {}
+        for rule in rules:
+            parts = [g[3][rule] for g in gathered if g[3] and g[3][rule]["decomp/tokens"]]
+            record["decomposition"][rule] = pool_decomposition(parts) if parts else None
+    record.update({"rules": list(rules), "delta": delta, "tolerance": cfg.tolerance, "ranks": len(gathered),
+                   "host_snapshot_bytes": snapshot.nbytes, "time/probe_s": probe_s})
+    return record

@@ -145,7 +145,7 @@ def own_update_probe(support: Support, logits: Tensor, kv: dict[str, Tensor], ad
         out = _outward(rule, stats, adv)
         if out is not None:
             data["outward"][rule.name] = out.tolist()
-    if unembedding is not None:
+    if unembedding is not None and k.shape[0]:
         w = unembedding.double()
         if kernel_fit is None:
             calib = ~disagreement.bool() if bool((~disagreement.bool()).any()) else torch.ones_like(disagreement.bool())

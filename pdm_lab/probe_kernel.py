@@ -130,3 +130,82 @@ class FunctionalKernel:
 
     def unembedding(self) -> Tensor | None:
         return None if self.unembedding_name is None else self.params[self.unembedding_name].double()
+
+
+class InPlaceKernel:
+    """``LogitKernel`` of any model, FSDP2 shards included, by central differences of forward passes
+    at θ ± εu (``pdm_lab.central_difference``; parameters perturbed in place, restored bit-exactly).
+
+    Args:
+        params: the model's parameters (plain or DTensor shards).
+        logits_fn: ``() -> [M, V]`` processed logits (after temperature, float64 head) of this
+            rank's probed rows at the current θ, differentiable w.r.t. the parameters. Collective.
+        preconditioner: per-parameter diagonal P (``adam_preconditioner``), or None (P = I).
+        head_fn: ``(rows, v) -> [M, V]`` the output layer's own part of K v (e.g. ‖h_t‖²·v_t/T²), or None.
+        unembedding: W [V, d] float64, or None.
+        compute_dtype: the forward's dtype (sets the central difference's τ).
+
+    Collective: every rank calls ``kernel_v``/``directional`` at once (with its own rows, possibly
+    none). A backward under FSDP averages the ranks' gradients, so J_tᵀv_t is taken one rank's row
+    at a time (the others pass v = 0) and multiplied by the world size.
+    """
+
+    def __init__(self, params: list[Tensor], logits_fn: Callable[[], Tensor], *,
+                 preconditioner: list[Tensor] | None = None, head_fn=None, unembedding: Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.float32):
+        self.params, self.logits_fn = params, logits_fn
+        self.preconditioner, self.head_fn, self._unembedding = preconditioner, head_fn, unembedding
+        self.compute_dtype = compute_dtype
+
+    def directional(self, u: list[Tensor]) -> Tensor:
+        """[M, V] J u for this rank's probed rows along the parameter direction u (collective)."""
+        from .central_difference import central_difference, choose_eps
+
+        with torch.no_grad():
+            base = self.logits_fn().double()
+        eps = choose_eps(self.params, u, self.logits_fn, base, self.compute_dtype)
+        if eps == 0.0:
+            return torch.zeros_like(base)
+        return central_difference(self.params, u, self.logits_fn, eps)
+
+    def _pullback(self, row: int | None, v_row: Tensor | None) -> list[Tensor]:
+        from .central_difference import _world
+
+        for p in self.params:
+            p.grad = None
+        z = self.logits_fn()
+        target = (z[row] * v_row.to(z.dtype)).sum() if row is not None else (z * 0.0).sum()
+        (target * _world()).backward()  # FSDP averages over ranks: ×world gives this rank's row alone
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return grads
+
+    def kernel_v(self, rows: Tensor, v: Tensor, *, precondition: bool | list[Tensor] = False) -> Tensor:
+        """As ``LogitKernel.kernel_v``; ``precondition`` may also be an explicit per-parameter P."""
+        from .central_difference import _world
+
+        scale = self.preconditioner if precondition is True else (precondition or None)
+        if precondition is True and scale is None:
+            raise PDMInputError("precondition=True: this kernel was given no preconditioner")
+        counts = torch.zeros(max(_world(), 1), dtype=torch.int64)
+        rank = torch.distributed.get_rank() if _world() > 1 else 0
+        counts[rank] = rows.numel()
+        if _world() > 1:
+            torch.distributed.all_reduce(counts)
+        out = torch.zeros(rows.numel(), v.shape[-1], dtype=torch.float64)
+        for owner in range(counts.numel()):
+            for i in range(int(counts[owner])):
+                mine = owner == rank
+                g = self._pullback(int(rows[i]) if mine else None, v[i] if mine else None)
+                u = g if scale is None else [x * q for x, q in zip(g, scale)]
+                moved = self.directional(u)
+                if mine:
+                    out[i] = moved[int(rows[i])].cpu()
+        return out
+
+    def head_kernel_v(self, rows: Tensor, v: Tensor) -> Tensor | None:
+        return None if self.head_fn is None else self.head_fn(rows, v)
+
+    def unembedding(self) -> Tensor | None:
+        return self._unembedding

@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pdm_lab.audit import regime_table
-from pdm_lab.audit_live import (HostSnapshot, distinct_contexts, gather_objects, merge_records, step_record,
-                                support_in_float64)
-from pdm_lab.masks import outside_region
+from pdm_lab.aggregation import DPInfo
+from pdm_lab.audit_live import ProbeView, StepOutcome, distinct_contexts, run_live_audit, support_in_float64
 from pdm_lab.policy_side import PolicyOnSupport
+from pdm_lab.probe_record import token_weights
 from pdm_lab.stats import token_stats
 from pdm_lab.support import support_from_topk
 
+from .audit_probe import loop_probe_view, reshard  # noqa: F401  (reshard: the measurement frees FSDP's copy)
 from .train_step import MicroBatch, make_micro_batch, update_policy
 
 BYTES_PER_PARAM = 12
@@ -74,18 +74,6 @@ def measured_divergence(policy, mb: MicroBatch, mask_cfg, vocab_size: int, tempe
     return token_stats(support, pi, binary=False).topk_kl
 
 
-def reshard(policy) -> None:
-    """Free FSDP2's gathered parameters after a no-grad forward. The root module keeps its gathered
-    copy after a forward (for the backward that usually follows), and ``parameters()`` then yields
-    that copy; the snapshot is taken and restored on the shards, so the next forward must gather
-    them afresh."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in policy.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 def _micro_batches(batch, seq_adv: Tensor, pad_id: int, size: int, device) -> list[MicroBatch]:
     """The micro-batches ``update_policy`` builds for one mini-batch of the whole batch (same order)."""
     rows = list(range(len(batch)))
@@ -95,6 +83,58 @@ def _micro_batches(batch, seq_adv: Tensor, pad_id: int, size: int, device) -> li
 
 def _distinct_contexts(batch) -> int:
     return distinct_contexts(batch.prompt_ids, batch.response_ids.tolist(), batch.response_mask.tolist())
+
+
+class LoopAuditStage:
+    """The loop's side of ``pdm_lab.audit_live.run_live_audit`` on this rank's audited batch."""
+
+    def __init__(self, policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_size: int, pad_id: int, lr: float,
+                 delta: float, device=None):
+        self.policy, self.optimizer, self.batch, self.seq_adv = policy, optimizer, batch, seq_adv
+        self.cfg, self.vocab_size, self.pad_id, self.lr, self.delta = cfg, vocab_size, pad_id, lr, delta
+        self.device = device
+        self.params = list(policy.parameters())
+        self.micros = _micro_batches(batch, seq_adv, pad_id, cfg.trainer.micro_batch_size, device)
+        resp = [mb.response_mask.reshape(-1) for mb in self.micros]
+        dp = DPInfo.all_reduce(sum(mb.n_tokens for mb in self.micros), sum(mb.n_seqs for mb in self.micros))
+        self.weights = torch.cat([token_weights(mb.response_mask, cfg.mask.aggregation, horizon=cfg.mask.horizon,
+                                                dp=dp).reshape(-1)[r.cpu()] for mb, r in zip(self.micros, resp)])
+        offset, seqs, cols = 0, [], []
+        for mb in self.micros:  # audited token → (sequence, response position), in the micro-batches' order
+            r, c = mb.response_mask.cpu().nonzero(as_tuple=True)
+            seqs.append(r + offset)
+            cols.append(c)
+            offset += mb.response_mask.shape[0]
+        self.token_seq, self.token_col = torch.cat(seqs), torch.cat(cols)
+
+    def step(self, rule: str, optimizer, *, lr_scale: float, zero_advantages: bool) -> StepOutcome:
+        cfg = self.cfg
+        mask_cfg = rule_mask_config(cfg.mask, rule, self.delta)
+        run_cfg = dataclasses.replace(cfg, mask=mask_cfg, trainer=dataclasses.replace(cfg.trainer, mini_batches=1))
+        outs: list = []
+        adv = torch.zeros_like(self.seq_adv) if zero_advantages else self.seq_adv
+        upd = update_policy(self.policy, optimizer, self.batch, adv, cfg=run_cfg, vocab_size=self.vocab_size,
+                            pad_id=self.pad_id, lr=self.lr * lr_scale, device=self.device,
+                            on_loss=lambda _m, _i, out: outs.append(out))
+        resp = [mb.response_mask.reshape(-1) for mb in self.micros]
+        norm = upd.metrics.get("loss/grad_norm")
+        clip = cfg.trainer.grad_clip
+        return StepOutcome(
+            keep=torch.cat([o.keep.reshape(-1)[r] for o, r in zip(outs, resp)]) > 0,
+            topk_kl=torch.cat([o.stats.topk_kl[r] for o, r in zip(outs, resp)]),
+            mu_tail=torch.cat([o.stats.mu_tail[r] for o, r in zip(outs, resp)]),
+            advantages=torch.cat([mb.advantages.reshape(-1)[r] for mb, r in zip(self.micros, resp)]),
+            ratio=torch.cat([o.stats.ratio[r] for o, r in zip(outs, resp)]),
+            weights=self.weights,
+            clip_factor=1.0 if clip is None or norm is None else min(1.0, clip / (norm + 1e-6)))
+
+    def measure(self) -> Tensor:
+        cfg = self.cfg
+        return torch.cat([measured_divergence(self.policy, mb, cfg.mask, self.vocab_size, cfg.rollout.temperature,
+                                              cfg.trainer.logits_chunk_tokens) for mb in self.micros])
+
+    def probe_view(self, rows: Tensor, preconditioner) -> ProbeView:
+        return loop_probe_view(self, rows.cpu(), preconditioner)
 
 
 def audit_live_batch(policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_size: int, pad_id: int,
@@ -114,55 +154,17 @@ def audit_live_batch(policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_si
         share = min(len(batch), -(-audit.sequences // _world()))
         batch, seq_adv = batch.select(list(range(share))), seq_adv[:share]
     delta = cfg.mask.delta if audit.delta is None else audit.delta
-    rules = tuple(dict.fromkeys(audit.rules))
-    temperature, chunk = cfg.rollout.temperature, cfg.trainer.logits_chunk_tokens
-    micros = _micro_batches(batch, seq_adv, pad_id, cfg.trainer.micro_batch_size, device)
-    params = list(policy.parameters())
-    snapshot = HostSnapshot.take(params, optimizer)
-    before = torch.cat([measured_divergence(policy, mb, cfg.mask, vocab_size, temperature, chunk) for mb in micros])
-
-    keep: dict[str, Tensor] = {}
-    delta_d: dict[str, dict] = {}
-    first: list = []
-    for rule in rules:
-        mask_cfg = rule_mask_config(cfg.mask, rule, delta)
-        run_cfg = dataclasses.replace(cfg, mask=mask_cfg, trainer=dataclasses.replace(cfg.trainer, mini_batches=1))
-        outs: list = []
-        update_policy(policy, optimizer, batch, seq_adv, cfg=run_cfg, vocab_size=vocab_size, pad_id=pad_id,
-                      lr=lr, device=device, on_loss=lambda _m, _i, out: outs.append(out))
-        after = torch.cat([measured_divergence(policy, mb, cfg.mask, vocab_size, temperature, chunk)
-                           for mb in micros])
-        snapshot.restore(params, optimizer)
-        keep[rule] = torch.cat([o.keep.reshape(-1)[mb.response_mask.reshape(-1)] for o, mb in zip(outs, micros)]) > 0
-        delta_d[rule] = {"topk_kl": after - before, "full_kl": None}
-        if not first:
-            first = outs
-
-    resp = [mb.response_mask.reshape(-1) for mb in micros]
-    d32 = torch.cat([o.stats.topk_kl[r] for o, r in zip(first, resp)])
-    mu_tail = torch.cat([o.stats.mu_tail[r] for o, r in zip(first, resp)])
-    adv = torch.cat([mb.advantages.reshape(-1)[r] for mb, r in zip(micros, resp)])
-    considered = adv != 0
-    outside = outside_region(d32, adv, rule_mask_config(cfg.mask, rules[0], delta)) & considered
-    local = step_record(rules, keep, delta_d, outside, audit.tolerance)
-    local.update(tokens=int(adv.numel()), zero_advantage=int((~considered).sum()),
-                 contexts=_distinct_contexts(batch))
-    gathered = gather_objects((local, d32.double().cpu(), outside.cpu(), considered.cpu(), mu_tail.double().cpu()))
-    record = merge_records([g[0] for g in gathered])
-    tokens = sum(g[0]["tokens"] for g in gathered)
-    record.update(tokens=tokens, zero_advantage=sum(g[0]["zero_advantage"] for g in gathered))
-    contexts = sum(g[0]["contexts"] for g in gathered)
-    d_all, out_all, cons_all, tail_all = (torch.cat([g[i] for g in gathered]) for i in (1, 2, 3, 4))
-    if d_all.numel():
-        record["regime"] = regime_table(d_all, out_all, cons_all, topk_mass=1.0 - tail_all,
-                                        tokens_per_state=tokens / max(contexts, 1))
-    record.update(rules=list(rules), delta=delta, k=cfg.mask.k, tolerance=audit.tolerance,
-                  ranks=_world(), host_snapshot_bytes=snapshot.nbytes,
+    stage = LoopAuditStage(policy, optimizer, batch, seq_adv, cfg=cfg, vocab_size=vocab_size, pad_id=pad_id, lr=lr,
+                           delta=delta, device=device)
+    record = run_live_audit(stage, rules=audit.rules, cfg=audit, mask_cfg=cfg.mask, delta=delta,
+                            contexts=_distinct_contexts(batch), seed=getattr(cfg, "seed", 0))
+    record.update(k=cfg.mask.k,
                   step_doc={"optimizer": type(optimizer).__name__ + " (the run's, with its state at this step)",
                             "lr": lr, "aggregation": cfg.mask.aggregation, "grad_clip": cfg.trainer.grad_clip,
                             "batch": "each rank's whole rollout batch as one optimiser step",
                             "precision": "decoder in trainer.param_dtype, lm_head + D in float64",
-                            "measured": {"topk_kl": True, "full_kl": "not measured: the engine returns μ's top-K only"}})
+                            "measured": {"topk_kl": True, "full_kl": "not measured: the engine returns μ's top-K only"},
+                            "probe": "K v by central differences of the decoder (lm_head in float64) at θ ± εu"})
     return record
 
 

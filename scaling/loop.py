@@ -184,7 +184,7 @@ def audit_batch(run: Run, step: int, batch, adv, lr: float, times: dict[str, flo
                                   device=run.lay.device)
     if run.lay.is_main:
         write_record(run.run_dir, step, run.cfg.seed, {**record, "time_s": times["audit"]})
-    return flat_metrics(record, record["rules"])
+    return {**flat_metrics(record, record["rules"]), "time/probe_s": record.get("time/probe_s", 0.0)}
 
 
 def train_on_batch(run: Run, step: int, batch, adv, lr: float, times: dict[str, float]) -> dict[str, float]:

@@ -49,10 +49,10 @@ class Cfg:
     rollout: _Rollout = _Rollout()
 
 
-def _cfg(rules=("dppo_topk_kl", "pdm_topk"), param_dtype="fp32") -> Cfg:
+def _cfg(rules=("dppo_topk_kl", "pdm_topk"), param_dtype="fp32", probe_tokens=0, step_scales=(1.0,)) -> Cfg:
     return Cfg(mask=MaskConfig(rule="pdm_topk", k=5, delta=0.02),
                trainer=TrainerConfig(mini_batches=2, micro_batch_size=2, param_dtype=param_dtype, grad_clip=1.0),
-               audit=AuditConfig(every=1, rules=rules, delta=0.02))
+               audit=AuditConfig(every=1, rules=rules, delta=0.02, probe_tokens=probe_tokens, step_scales=step_scales))
 
 
 def _lm(tied: bool):
@@ -83,7 +83,7 @@ def _identical(a, b) -> dict:
 def _fsdp_worker(rank: int, world: int, store: str, tied: bool, param_dtype: str, queue) -> None:
     import torch.distributed as dist
 
-    from pdm_lab import audit_live
+    from pdm_lab import host_snapshot
     from pdm_lab.scaling.policy_model import shard_policy
 
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
@@ -94,14 +94,14 @@ def _fsdp_worker(rank: int, world: int, store: str, tied: bool, param_dtype: str
         batch = fake_batch(lm, n_prompts=2, g=4, seed=4 + rank, temperature=0.6)  # each rank its own batch
         policy = shard_policy(lm, param_dtype=param_dtype, reduce_dtype="fp32", gradient_checkpointing=False)
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-        cfg = _cfg(param_dtype=param_dtype)
+        cfg = _cfg(param_dtype=param_dtype, probe_tokens=4, step_scales=(1.0, 0.1))
         for _ in range(2):  # AdamW state from two real updates (4 optimiser steps)
             train_step.update_policy(policy, opt, batch, ADV, cfg=cfg, vocab_size=VOCAB, pad_id=0, lr=1e-2)
         ref = _state_copy(policy, opt)
         record = audit_step.audit_live_batch(policy, opt, batch, ADV, cfg=cfg, vocab_size=VOCAB, pad_id=0, lr=3e-2)
         ok = _identical(ref, _state_copy(policy, opt))
         # the planted bug: the optimiser state is not restored (parameters only)
-        audit_live.restore_optimizer = lambda *args: None
+        host_snapshot.restore_optimizer = lambda *args: None
         audit_step.audit_live_batch(policy, opt, batch, ADV, cfg=cfg, vocab_size=VOCAB, pad_id=0, lr=3e-2)
         planted = _identical(ref, _state_copy(policy, opt))
         queue.put((rank, ok, planted, record))
@@ -126,7 +126,7 @@ def test_two_rank_fsdp2_audit_restores_parameters_and_adamw_state_bit_exactly(tm
         assert ok == {"params": True, "state": True}, (rank, ok)
         assert planted == {"params": True, "state": False}, (rank, planted)  # the planted bug is caught
     record = results[0][3]
-    assert record == results[1][3] | {"host_snapshot_bytes": record["host_snapshot_bytes"]}  # merged: same on every rank
+    assert record == results[1][3] | {k: record[k] for k in ("host_snapshot_bytes", "time/probe_s")}  # merged: same on every rank
     assert record["ranks"] == 2 and record["outside"] > 0
     pair = record["pairs"]["dppo_topk_kl|pdm_topk"]
     for rule in ("dppo_topk_kl", "pdm_topk"):
@@ -135,6 +135,13 @@ def test_two_rank_fsdp2_audit_restores_parameters_and_adamw_state_bit_exactly(tm
             pair[rule]["topk_kl"]["flat_count"]
     assert pair["disagreement"] == pair["dppo_topk_kl"]["topk_kl"]["count"] + pair["pdm_topk"]["topk_kl"]["count"]
     assert record["regime"]["outside_tokens"] == record["outside"]
+    # the probe and the decomposition (SPEC §6d) under the core's keys, pooled over both ranks
+    assert record["probe"]["probe/tokens"] == 4 and "probe/agree/pdm_topk/outside/topk_kl" in record["probe"]
+    assert set(record["step_scales"]) == {"1", "0.1"}
+    for scale in record["step_scales"].values():
+        assert {"steps/unsafe_keep/pdm_topk", "steps/control/kept_by_all", "steps/control/momentum_only",
+                "steps/median_abs_dd_over_d"} <= set(scale)
+    assert set(record["decomposition"]) == {"dppo_topk_kl", "pdm_topk"}
 
 
 # ------------------------------------------------------------------ one rank: rules independent, ΔD real
@@ -174,20 +181,20 @@ def _audit_counts(record, rule, pair="none|dppo_topk_kl"):
 
 
 def test_each_rules_delta_d_equals_a_fresh_copy_stepped_alone(setup, monkeypatch):
-    from pdm_lab import audit_live
+    from pdm_lab import audit_live, host_snapshot
 
     lm, batch = setup
     cfg = _cfg(rules=("none", "dppo_topk_kl", "pdm_topk"))
     policy, opt = _stepped(lm, batch, cfg)
     expected = {rule: _alone(policy, opt, batch, cfg, rule, 3e-2) for rule in cfg.audit.rules}
     seen = {}
-    real = audit_step.step_record
+    real = audit_live.step_record
 
     def spy(rules, keep, delta_d, outside, tol):
         seen.update({r: delta_d[r]["topk_kl"].clone() for r in rules}, outside=outside.clone(), keep=keep)
         return real(rules, keep, delta_d, outside, tol)
 
-    monkeypatch.setattr(audit_step, "step_record", spy)
+    monkeypatch.setattr(audit_live, "step_record", spy)
     ref = _state_copy(policy, opt)
     record = audit_step.audit_live_batch(policy, opt, batch, ADV, cfg=cfg, vocab_size=VOCAB, pad_id=0, lr=3e-2)
     assert _identical(ref, _state_copy(policy, opt)) == {"params": True, "state": True}
@@ -207,7 +214,7 @@ def test_each_rules_delta_d_equals_a_fresh_copy_stepped_alone(setup, monkeypatch
     assert dropped["count"] == int((out & ~seen["keep"]["pdm_topk"]).sum())
 
     # the planted bug: AdamW's state not restored between the rules → later rules' ΔD differ
-    monkeypatch.setattr(audit_live, "restore_optimizer", lambda *args: None)
+    monkeypatch.setattr(host_snapshot, "restore_optimizer", lambda *args: None)
     policy, opt = _stepped(lm, batch, cfg)
     audit_step.audit_live_batch(policy, opt, batch, ADV, cfg=cfg, vocab_size=VOCAB, pad_id=0, lr=3e-2)
     assert not torch.equal(seen["pdm_topk"][out], expected["pdm_topk"][out])

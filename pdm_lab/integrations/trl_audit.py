@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -142,6 +143,14 @@ def audit_generation_batch(trainer, batch: dict) -> dict:
                             "measured": {"topk_kl": True, "full_kl": "not measured: μ's top-K only"}},
                   time_s=time.perf_counter() - start)
     step = trainer.state.global_step + 1
+    if record["outside"] == 0 and not getattr(trainer, "_pdm_warned_no_outside", False):
+        trainer._pdm_warned_no_outside = True
+        warnings.warn(
+            f"pdm audit: step {step} found no outside token (D > δ = {delta:g} with Â ≠ 0), so every audit rate "
+            "is null. With HF generate the sampler is the trainer's own model (μ = π, D ≈ 1e-7): there is no "
+            "mismatch to audit. Create one with a different rollout engine or precision (use_vllm=True, an fp8 "
+            "or bf16 engine), a stale or perturbed sampler, or audit at a smaller δ (LiveAuditConfig(delta=…)).",
+            stacklevel=2)
     if trainer.accelerator.is_main_process:
         path = Path(trainer.args.output_dir) / "audit.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
