@@ -1,7 +1,7 @@
 """The tiny loop in the LLM regime (SPEC §6b): Qwen3's 151,936-id embedding over a locally trained
 tokenizer with far fewer tokens, built once, cached by its recipe, loaded back through
 ``from_pretrained``; the GPU config at a 0.6B-like shape passes ``--dry-run``; and at a small size
-the real loop (vLLM CPU engine, FSDP2 over 2 gloo ranks) runs an audited step, writes the regime
+the real loop (vLLM CPU engine, one FSDP2 rank) runs an audited step, writes the regime
 table and resumes from its checkpoint.
 """
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_small_audited_run_resumes(tmp_path):
     common = ["--config", str(LLM), *SMALL, "rollout.prompts_per_step=4", "rollout.group_size=4",
               "rollout.max_tokens=6", "trainer.mini_batches=1", "trainer.micro_batch_size=4",
               "eval.every=0", "checkpoint.every=1", "log.tensorboard=false", "audit.every=1",
-              "data.synthetic.n_train=64", "launch.nproc_per_node=2", f"run_dir={run_dir}"]
+              "data.synthetic.n_train=64", "launch.nproc_per_node=1", f"run_dir={run_dir}"]
     first = cli([*common, "total_steps=1"], env=env, cwd=tmp_path, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = cli([*common, "total_steps=2"], env=env, cwd=tmp_path, timeout=600)
