@@ -5,7 +5,8 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdm_lab.envs.report.sweep_report import COLLAPSE, REWARD, _by_config, _winner, sweep_section
+from pdm_lab.envs.report.criteria import COLLAPSE, REWARD, _by_config, _winner
+from pdm_lab.envs.report.sweep_report import sweep_section
 from pdm_lab.envs.report.summary import collapse_rate, config_label, mean_ci, newcombe_diff_ci, wilson_ci
 
 

@@ -7,6 +7,8 @@ import math
 
 from pdm_lab.runtime.evidence import MIN_SEEDS, collapse_measurable
 
+from pdm_lab.envs.report.criteria import REWARD, _by_config, decide
+
 
 def _pct(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.2f}%"
@@ -31,7 +33,6 @@ def _interval(d: dict) -> str:
 
 
 def _sweep_row(rows: list[dict], regime: dict[str, dict]) -> str:
-    from pdm_lab.envs.report.sweep_report import REWARD, _by_config, decide
 
     steps = min(r["steps"] for r in rows)
     seeds = len({r.get("seed") for r in rows})
