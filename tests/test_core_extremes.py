@@ -23,7 +23,7 @@ from pdm_lab import MaskConfig, pdm_policy_loss, policy_on_support, support_from
 from pdm_lab import stats as stats_module
 from pdm_lab.diagnose import diagnose
 from pdm_lab.loss import token_surrogate
-from pdm_lab.masks import MASK_RULES
+from pdm_lab.masks import MASK_RULES, compute_mask
 
 #: Token-level rules that need nothing beyond full distributions (pdm_coupled needs a model).
 RULES = tuple(sorted(name for name, rec in MASK_RULES.items()
@@ -69,12 +69,14 @@ def run_case(case: dict) -> tuple[bool, bool]:
     cfg = case["cfg"]
     support = support_from_full(mu, case["sampled"], k=cfg.k)
     pol = policy_on_support(logits, support.ids)
+    # Scope first: the loss refuses (naming the token) a kept, uncapped ratio beyond the dtype
+    adv = torch.where(case["resp"], case["adv"], 0.0).reshape(-1)
+    before = token_stats(support, pol, mu_full=mu, pi_full=torch.log_softmax(logits.detach(), -1))
+    active = compute_mask(cfg, before, adv, case["resp"]).bool() & (adv != 0)
+    if cfg.clip_ratio_c is None and bool((active & (before.log_ratio > LOG_RATIO_REPRESENTABLE)).any()):
+        return False, True
     out = pdm_policy_loss(pol, support, case["adv"], case["resp"], cfg,
                           mu_full=mu, pi_full=torch.log_softmax(logits.detach(), -1))
-    active = out.keep.bool() & (case["adv"] != 0) & case["resp"]
-    log_r = out.stats.log_ratio.reshape(active.shape)
-    if cfg.clip_ratio_c is None and bool((active & (log_r > LOG_RATIO_REPRESENTABLE)).any()):
-        return False, True
     out.loss.backward()
     # the loss computes DPPO's binary divergences only for a rule that reads them: ask for them
     binary = token_stats(support, pol, mu_full=mu, pi_full=torch.log_softmax(logits.detach(), -1), binary=True)
