@@ -166,7 +166,8 @@ def welch_diff_ci(a: Iterable, b: Iterable, *, level: float = LEVEL) -> tuple[fl
     se2 = sa + sb
     if se2 == 0.0:
         return diff, diff, diff, math.inf
-    df = se2 ** 2 / (sa ** 2 / (len(xa) - 1) + sb ** 2 / (len(xb) - 1))
+    ra, rb = sa / se2, sb / se2  # Welch–Satterthwaite in shares: no underflow of se2² at tiny variances
+    df = 1.0 / (ra ** 2 / (len(xa) - 1) + rb ** 2 / (len(xb) - 1))
     half = t_quantile(0.5 + level / 2, df) * math.sqrt(se2)
     return diff, diff - half, diff + half, df
 
