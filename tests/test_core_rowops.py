@@ -269,8 +269,9 @@ def test_a_bad_row_beside_rows_out_of_order_names_the_same_position(bad_row):
     out_of_order = rowops.rows_out_of_order(ids, vals)
     row = int(torch.nonzero(out_of_order == bool(bad_row))[0, 0])
     messages = []
+    dup = int(ref_ids[row][ref_ids[row] != sampled[row]][0])  # the same id repeated in both versions
     for i, v in ((ids.clone(), vals), (ref_ids.clone(), ref_vals)):
-        i[row, i[row] != sampled[row]] = int(i[row][i[row] != sampled[row]][0])  # one id, repeated
+        i[row, i[row] != sampled[row]] = dup
         with pytest.raises(PDMInputError) as err:
             support_from_topk(i, v, sampled, sampled_logp, vocab_size=vocab, k=4, compiled=False)
         messages.append(str(err.value))
