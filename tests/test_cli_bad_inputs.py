@@ -210,6 +210,9 @@ for case in cases:
     pid = os.fork()
     if pid == 0:
         os.setpgid(0, 0)
+        # the parent ran torch ops at import (rule registration checks): an OpenMP pool must not
+        # be reused across fork, so the child computes on one thread (a user's command is a fresh process)
+        import torch; torch.set_num_threads(1)
         os.chdir(case["cwd"])
         os.dup2(os.open(case["cwd"] + "/.stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
         os.dup2(os.open(case["cwd"] + "/.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
