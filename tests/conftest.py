@@ -8,3 +8,20 @@ settings.register_profile("ci", max_examples=80, deadline=None,
 settings.register_profile("thorough", max_examples=500, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype_is_restored():
+    """A test (or a library it drives) that changes torch's default dtype must not change the
+    next test's: the default is put back after every test, with a warning naming the change."""
+    before = torch.float32  # torch's own default: a module that changes it at import changes it for all
+    yield
+    after = torch.get_default_dtype()
+    if after != before:
+        torch.set_default_dtype(before)
+        import warnings
+        warnings.warn(f"the test left torch's default dtype at {after} (was {before}); restored")

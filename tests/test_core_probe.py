@@ -18,7 +18,15 @@ from pdm_lab.probe import (FunctionalKernel, LogitKernel, fit_kernel_ab, own_dir
 from pdm_lab.stats import token_stats
 from pdm_lab.support import support_from_full
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64_default():
+    """This module's tensors are float64 (the probe is checked in float64); other modules keep theirs."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 RULES = ("dppo_topk_kl", "pdm_topk", "pdm_exact")
 
 

@@ -40,7 +40,7 @@ def zipf_logits(num_states: int, n: int, *, temperature: float | Tensor, generat
         rows = torch.arange(num_states)
         order[rows, pos] = first
         order[:, 0] = fixed_top
-    logits = torch.empty(num_states, n)
+    logits = torch.empty(num_states, n, dtype=torch.float32)  # the dtype of `base`, whatever the default
     logits.scatter_(1, order, base)
     return logits
 
