@@ -18,8 +18,9 @@ from pdm_lab.runtime.outputs import write_output
 from pdm_lab.runtime.wandb_log import add_wandb_arguments, wandb_config_from_args
 
 from pdm_lab.envs.audit.config import AuditConfig
-from pdm_lab.envs.transfer.calibrate import format_table, run_table, search_strength, toy_table
-from pdm_lab.envs.transfer.compare import markdown, read_audit_lines, run_transfer
+# Modules, not their functions: a name bound at import would keep whatever the module held then
+# (a test's stand-in included) for the rest of the process.
+from pdm_lab.envs.transfer import calibrate, compare
 from pdm_lab.envs.transfer.faithful import format_probe_report, run_probe_report
 
 
@@ -57,7 +58,7 @@ def calibrate_main(args) -> int:
         raise ConfigError(f"--out {args.out} is a file; give a folder")
     cfg = preset(AUDIT_PRESETS, args.preset)
     if args.from_run is not None:
-        table = run_table(args.from_run, args.delta if args.delta is not None else cfg.delta)
+        table = calibrate.run_table(args.from_run, args.delta if args.delta is not None else cfg.delta)
         toy_doc = None
         if args.toy_audit is not None:
             try:
@@ -65,7 +66,7 @@ def calibrate_main(args) -> int:
             except (OSError, ValueError) as err:
                 raise ConfigError(f"--toy-audit {args.toy_audit}: not a readable audit.json ({err})") from None
         audited = (args.from_run / "audit.jsonl").exists()
-        table["probe"] = run_probe_report(read_audit_lines(args.from_run) if audited else None, toy_doc)
+        table["probe"] = run_probe_report(compare.read_audit_lines(args.from_run) if audited else None, toy_doc)
     else:
         changes = {"mismatch": STRESS_MISMATCHES.get(args.mismatch, args.mismatch), "sequences": args.sequences,
                    "delta": args.delta}
@@ -74,12 +75,12 @@ def calibrate_main(args) -> int:
         except ValueError as err:  # the audit config's own checks: bad input, exit status 2
             raise ConfigError(str(err)) from None
         if args.target is not None:
-            spec, table = search_strength(cfg, args.target, seeds=max(1, min(args.seeds, 2)),
+            spec, table = calibrate.search_strength(cfg, args.target, seeds=max(1, min(args.seeds, 2)),
                                           progress=lambda s, f: print(f"  {s}: outside {100 * f:.3f}%"))
             cfg = replace(cfg, mismatch=spec)
             print(f"strength for an outside fraction of {100 * args.target:.3f}%: {spec}")
-        table = toy_table(cfg, args.seeds)
-    print(format_table(table))
+        table = calibrate.toy_table(cfg, args.seeds)
+    print(calibrate.format_table(table))
     if "probe" in table:
         print(format_probe_report(table["probe"]))
     path = write_output(args.out / "calibration.json", json.dumps(table, indent=2) + "\n")
@@ -118,7 +119,7 @@ def transfer_main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     try:
-        doc = run_transfer(args.run_dir, args.out, preset(AUDIT_PRESETS, args.preset), preset_name=args.preset, seeds=args.seeds, mismatch=args.mismatch,
+        doc = compare.run_transfer(args.run_dir, args.out, preset(AUDIT_PRESETS, args.preset), preset_name=args.preset, seeds=args.seeds, mismatch=args.mismatch,
                            overrides=args.overrides, n_boot=args.n_boot, search_iters=args.search_iters)
     except (FileNotFoundError, ValueError, ConfigError, KeyError) as err:
         print(f"pdm-lab transfer: error: {one_line(err)}", file=sys.stderr)
@@ -128,7 +129,7 @@ def transfer_main(args: argparse.Namespace) -> int:
         from pdm_lab.envs.report.to_wandb import log_transfer
 
         log_transfer(wandb, doc, args.out)
-    print(markdown(doc))
+    print(compare.markdown(doc))
     print(f"written to {args.out / 'transfer.json'} and {args.out / 'transfer.md'}")
     return 0
 

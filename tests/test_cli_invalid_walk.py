@@ -159,6 +159,9 @@ def all_cases(tmp: Path) -> list[tuple[str, list[str], str]]:
 
 
 def _tripwires(monkeypatch) -> None:
+    # The command modules are imported before the patch: one first imported under it would bind
+    # the tripwire for the rest of the session if it took a function by name.
+    import pdm_lab.envs.commands, pdm_lab.envs.study_commands, pdm_lab.scaling.commands  # noqa: E401,F401
     from pdm_lab.envs import pipeline
     from pdm_lab.envs.transfer import calibrate, compare
     from pdm_lab.scaling import dryrun, launch
@@ -295,3 +298,13 @@ def test_an_internal_error_s_traceback_goes_into_the_run_folder(tmp_path, monkey
     code, err = run_case(["demo", "--tokens", "64", "--vocab", "100", "--out", str(tmp_path / "no" / "d.json")],
                          capsys)
     assert code == 70 and "rerun with --debug" in err and not (tmp_path / "no").exists()
+
+
+def test_no_tripwire_outlives_the_walk():
+    """After the walk's patches are undone, no loaded pdm_lab module still holds a tripwire (a
+    name imported from a patched module while the patch was on would keep it: CI once failed two
+    later calibration tests that way)."""
+    left = [f"{name}.{attr}" for name, module in list(sys.modules.items())
+            if name.startswith("pdm_lab") and module is not None
+            for attr, value in list(vars(module).items()) if value is _trip]
+    assert not left, f"tripwires left bound: {left}"
