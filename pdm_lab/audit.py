@@ -416,6 +416,21 @@ def median_ci(values, level: float = 0.95) -> tuple[float, float, float]:
     return float(x.quantile(0.5)), float(x[lo]), float(x[max(hi, lo)])
 
 
+def rate_diff_ci(x1: int, n1: int, x2: int, n2: int, level: float = 0.95) -> dict:
+    """Rate x₁/n₁ minus rate x₂/n₂ of two independent samples (different tokens), with Newcombe's
+    hybrid score interval (Newcombe 1998, method 10) built from each rate's Wilson interval
+    (l_i, u_i): d − √((p₁ − l₁)² + (u₂ − p₂)²) … d + √((u₁ − p₁)² + (p₂ − l₂)²). NaN when a sample
+    is empty."""
+    if n1 == 0 or n2 == 0:
+        return {"diff": math.nan, "lo": math.nan, "hi": math.nan, "n": (n1, n2)}
+    l1, u1 = wilson_ci(x1, n1, level)
+    l2, u2 = wilson_ci(x2, n2, level)
+    p1, p2 = x1 / n1, x2 / n2
+    d = p1 - p2
+    return {"diff": d, "lo": d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2),
+            "hi": d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2), "n": (n1, n2)}
+
+
 def paired_rate_diff_ci(a_right, b_right, level: float = 0.95) -> dict:
     """Rate of A minus rate of B on the same tokens (paired), with the Wald interval of a paired
     difference of proportions: d = (n₁₀ − n₀₁)/n, se = √((n₁₀ + n₀₁) − (n₁₀ − n₀₁)²/n)/n.

@@ -132,7 +132,14 @@ def verify_exact(response: str, answer: str) -> float:
     return 1.0 if response.strip() == answer.strip() else 0.0
 
 
-VERIFIERS: dict[str, Verifier] = {"math": verify_math, "exact": verify_exact}
+def verify_length_parity(response: str, answer: str) -> float:
+    """1.0 if the response has an odd number of characters. A reward for audit studies, not for
+    learning a task: an untrained model earns it about half the time, so its groups have Â ≠ 0
+    from the first step, where the task's own verifier would leave every advantage 0."""
+    return float(len(response) % 2)
+
+
+VERIFIERS: dict[str, Verifier] = {"math": verify_math, "exact": verify_exact, "length_parity": verify_length_parity}
 
 
 def get_verifier(name: str) -> Verifier:

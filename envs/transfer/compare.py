@@ -36,8 +36,10 @@ import torch
 
 from pdm_lab.audit import compare_paired, mean_ci, pooled_diff_ci, verdict
 from pdm_lab.runtime.records import read_jsonl
+from pdm_lab.runtime.results import ResultsError
 
 from pdm_lab.envs.transfer.faithful import faithfulness, outcome, run_statistics, toy_statistics
+from pdm_lab.envs.transfer.step_matched import step_matched, step_matched_lines
 
 MIN_POINTS = 10
 """audit points (seeds) that gave kept disagreement tokens to both rules (SPEC §6)."""
@@ -61,13 +63,13 @@ def read_audit_lines(run_dir: Path) -> list[dict]:
     for _, rec in read_jsonl(path):
         by_step[int(rec["step"])] = rec
     if not by_step:
-        raise ValueError(f"{path}: empty")
+        raise ResultsError(f"{path}: empty")
     lines = [by_step[s] for s in sorted(by_step)]
     first = lines[0]
     for rec in lines[1:]:
         for key in ("rules", "delta", "k"):
             if rec[key] != first[key]:
-                raise ValueError(f"{path}: step {rec['step']} has {key}={rec[key]!r}, step {first['step']} "
+                raise ResultsError(f"{path}: step {rec['step']} has {key}={rec[key]!r}, step {first['step']} "
                                  f"{first[key]!r}; audit one setting per run")
     return lines
 
@@ -231,6 +233,8 @@ def markdown(doc: dict) -> str:
     lines += [f"**SPEC §6c outcome: {doc['transfer']}** ({doc['transfer_reason']}).",
               f"Minimum for a verdict (SPEC §6): {MIN_POINTS} points with kept disagreement tokens for both rules, "
               f"{MIN_TOKENS} tokens pooled for each.", ""]
+    if "step_matched" in doc:
+        lines += step_matched_lines(doc["step_matched"], a, b)
     return "\n".join(lines)
 
 
@@ -269,7 +273,8 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
     for line in lines[1:]:
         for key in ("rules", "delta", "k"):
             if line[key] != lines[0][key]:
-                raise ValueError(f"{key}: the runs audited different settings ({line[key]!r} vs {lines[0][key]!r})")
+                raise ResultsError(f"run_dir: the runs audited different {key} ({line[key]!r} vs {lines[0][key]!r}); "
+                                  "pool only seeds of one setting")
     out.mkdir(parents=True, exist_ok=True)
     rules, delta, k = lines[0]["rules"], float(lines[0]["delta"]), int(lines[0]["k"])
     a, b = rules[0], rules[1]
@@ -312,7 +317,7 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
     faith = faithfulness(toy_statistics(toy_doc, rules), run_statistics(lines, rules))
     verdict_doc = transfer_verdict(toy, loop, faith["faithful"])
     result.update({"faithfulness": faith, "transfer": verdict_doc["outcome"], "transfer_reason": verdict_doc["reason"],
-                   "wall_s": time.perf_counter() - start})
+                   "step_matched": step_matched(toy_doc, lines, rules), "wall_s": time.perf_counter() - start})
     from pdm_lab.audit_live import json_safe
 
     (out / "transfer.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n", encoding="utf-8")
