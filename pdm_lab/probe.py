@@ -229,11 +229,7 @@ def summarize_probe(data: dict) -> dict:
     return out
 
 
-def pool_probe(summaries: Sequence[dict]) -> dict:
-    """Several probes (steps, ranks, seeds) pooled token by token into one summary."""
-    datas = [s["probe/data"] for s in summaries if s and s.get("probe/data")]
-    if not datas:
-        raise PDMInputError("pool_probe: no probe data to pool")
+def _pool_data(datas: list[dict]) -> dict:
     first = datas[0]
     pooled: dict[str, Any] = {"disagreement": sum((d["disagreement"] for d in datas), [])}
     for key in ("grows", "grows_precond", "outward", "kernel_outward"):
@@ -246,7 +242,22 @@ def pool_probe(summaries: Sequence[dict]) -> dict:
     if fits:
         pooled["kernel_fit"] = {"a": [f["a"] for f in fits], "b": [f["b"] for f in fits],
                                 "n": [f["n"] for f in fits], "sample": fits[0]["sample"]}
-    return summarize_probe(pooled)
+    return pooled
+
+
+def pool_probe(summaries: Sequence[dict]) -> dict:
+    """Several probes (steps, ranks, seeds) pooled token by token into one summary. The
+    preconditioned keys (``…_precond``) pool over the probes that have them: a run's first audited
+    step comes before the optimiser has a preconditioner, and would otherwise drop them all."""
+    datas = [s["probe/data"] for s in summaries if s and s.get("probe/data")]
+    if not datas:
+        raise PDMInputError("pool_probe: no probe data to pool")
+    out = summarize_probe(_pool_data(datas))
+    with_p = [d for d in datas if d["grows_precond"]]
+    if with_p and len(with_p) < len(datas):
+        sub = summarize_probe(_pool_data(with_p))
+        out.update({k: v for k, v in sub.items() if "_precond/" in k})
+    return out
 
 
 def step_decomposition(d: Tensor, realised: Tensor, own: Tensor, rest: Tensor, memory: Tensor) -> dict:

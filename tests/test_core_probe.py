@@ -205,6 +205,15 @@ def test_kernel_aware_test_recovers_a_and_b():
     pooled = pool_probe([out, out])
     assert pooled["probe/tokens"] == 80
     assert pooled["probe/agree/pdm_topk/outside/topk_kl"]["agree"] == 2 * out["probe/agree/pdm_topk/outside/topk_kl"]["agree"]
+    # a probe with the preconditioner pooled with one without (a run's first audited step, before
+    # AdamW has a P): the preconditioned keys pool over the probes that have them
+    pre = {k: torch.full_like(p, 2.0) for k, p in params.items()}
+    with_p = probe_with_kernel(FunctionalKernel(logits_fn, params, preconditioner=pre, unembedding_name="W"), rows,
+                               support, z, adv, torch.ones(40), precondition=True, rules=RULES, disagreement=dis,
+                               mu_full_logp=mu_full)
+    key = "probe/agree_precond/pdm_topk/outside/topk_kl"
+    mixed = pool_probe([out, with_p, with_p])
+    assert mixed["probe/tokens"] == 120 and mixed[key]["n"] == 80 and mixed[key]["agree"] == 2 * with_p[key]["agree"]
 
 
 def test_step_decomposition_shares_add_up():
