@@ -188,6 +188,11 @@ class RolloutConfig:
     (vLLM's own FP8 kernels, ``quantization="fp8"``; GPU only, untested here)."""
     fp8_block: Annotated[int, at_least(1)] = 128
     """fp8 only: block size of the block-wise scales (DeepSeek-V3 style 128×128)."""
+    fp8_activations: str = "none"
+    """fp8 simulate only: also round the input of every quantised Linear to e4m3 in the engine
+    (W8A8, dynamic scale amax/448): ``per_token`` (one scale per token row), ``per_tensor`` (one per
+    forward call: μ then depends on the batch) or ``none`` (weights only). Needs ``enforce_eager``
+    (the rounding runs in forward pre-hooks on vLLM's Linear modules, ``scaling.fp8``)."""
     tensor_parallel_size: Annotated[int, at_least(1)] = 1
     """vLLM tensor parallelism inside each data-parallel group (ranks per engine)."""
     kv_cache_gib: Annotated[float, positive] = 0.25
@@ -212,6 +217,15 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         one_of("rollout.precision", self.precision, PRECISIONS)
         one_of("rollout.fp8_mode", self.fp8_mode, ("simulate", "native"))
+        one_of("rollout.fp8_activations", self.fp8_activations, ("none", "per_token", "per_tensor"))  # scaling.fp8.ACTIVATION_MODES
+        if self.fp8_activations != "none":
+            if self.precision != "fp8" or self.fp8_mode != "simulate":
+                raise ConfigError(f"rollout.fp8_activations: {self.fp8_activations} needs rollout.precision: fp8 "
+                                  f"with rollout.fp8_mode: simulate (got {self.precision}"
+                                  f"{', ' + self.fp8_mode if self.precision == 'fp8' else ''})")
+            if not self.enforce_eager:
+                raise ConfigError("rollout.fp8_activations needs rollout.enforce_eager: true (its forward "
+                                  "pre-hooks are not part of a graph vLLM compiled before they were added)")
         if self.keep_sampling_mask not in (None, True, False):
             raise ConfigError(f"rollout.keep_sampling_mask: true, false or null, got {self.keep_sampling_mask!r}")
 

@@ -84,6 +84,10 @@ def make_engine(model_dir: str, rollout_cfg, *, k: int, max_model_len: int, seed
         seed: engine seed (sampling uses per-request seeds on top).
         data_parallel_size: world_size / tensor_parallel_size.
         distributed: True under torchrun (external launcher); False for a single process.
+
+    With ``rollout.fp8_activations`` the engine's decoder Linears also round their inputs to
+    e4m3 (``scaling.fp8.install_engine_activation_quant``), on top of the fp8 weights the sync
+    pushes.
     """
     set_engine_env()
     from vllm import LLM
@@ -113,6 +117,11 @@ def make_engine(model_dir: str, rollout_cfg, *, k: int, max_model_len: int, seed
     llm = LLM(**kwargs)
     # every in-place reload warns that the rotary embedding (no weights) got none: expected
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    if getattr(rollout_cfg, "fp8_activations", "none") != "none":
+        # W8A8: e4m3 round trip of every quantised Linear's input, in the engine's own modules
+        from .fp8 import install_engine_activation_quant
+
+        install_engine_activation_quant(llm, rollout_cfg.fp8_activations)
     return llm
 
 
