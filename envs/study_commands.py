@@ -104,6 +104,8 @@ def add_transfer_parser(subparsers) -> None:
     p.add_argument("--preset", default="paper", choices=sorted(AUDIT_PRESETS), help="toy setting (default: paper)")
     p.add_argument("--seeds", type=int_at_least(1), help="toy seeds (default: the preset's)")
     p.add_argument("--mismatch", help="use this toy mismatch instead of calibrating")
+    p.add_argument("--toy-audit", type=Path, help="compare this toy audit.json (made with the run's rules, δ and K) "
+                                                  "instead of running and calibrating one")
     p.add_argument("--n-boot", type=int_at_least(1), default=2000, help="bootstrap resamples")
     p.add_argument("--search-iters", type=int_at_least(1), default=12, help="bisection steps of the calibration (default 12)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="toy AuditConfig overrides, e.g. sequences=256")
@@ -120,7 +122,8 @@ def transfer_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     try:
         doc = compare.run_transfer(args.run_dir, args.out, preset(AUDIT_PRESETS, args.preset), preset_name=args.preset, seeds=args.seeds, mismatch=args.mismatch,
-                           overrides=args.overrides, n_boot=args.n_boot, search_iters=args.search_iters)
+                           overrides=args.overrides, n_boot=args.n_boot, search_iters=args.search_iters,
+                                   toy_audit=args.toy_audit)
     except (FileNotFoundError, ValueError, ConfigError, KeyError) as err:
         print(f"pdm-lab transfer: error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -121,3 +121,46 @@ def test_transfer_refuses_runs_of_different_settings_with_exit_2(tmp_path, capsy
     assert code == 2, err
     assert "audited different delta" in err and "Traceback" not in err
     assert not (tmp_path / "out" / "transfer.json").exists()
+
+
+def test_transfer_compares_a_given_toy_audit_and_refuses_one_of_another_setting(tmp_path):
+    """``--toy-audit``: one toy audit against a run, no toy run or calibration; a toy audited at
+    another δ is refused naming the key."""
+    import json
+
+    from pdm_lab.config import from_dict, to_dict
+    from pdm_lab.runtime.results import ResultsError
+
+    from pdm_lab.envs.audit.config import AuditConfig
+    from pdm_lab.envs.audit.study import run_audit
+    from pdm_lab.envs.presets import AUDIT_PRESETS, preset
+    from pdm_lab.envs.transfer import compare
+
+    base = to_dict(preset(AUDIT_PRESETS, "quick"))
+    base.update(seeds=1, sequences=32, group_size=4, audit_at=[0], rules=[A, B], extra_rules=[], delta=5e-4, k=20,
+                contexts=["shared"], k_sweep=[], stress_mismatch="", trajectory_seeds=0, n_boot=100,
+                step_scales=[10.0])
+    base["problem"]["token_mdp"]["max_len"] = 12  # short responses: seconds, not minutes
+    toy = run_audit(from_dict(AuditConfig, base))
+    path = tmp_path / "audit.json"
+    path.write_text(json.dumps(toy))
+    run = tmp_path / "run"
+    run.mkdir()
+    kept = lambda n, grew: {"topk_kl": {"count": n, "grew": grew, "shrank": n - grew, "flat_count": 0,  # noqa: E731
+                                        "unsafe_keep": grew / n, "shrink": 1 - grew / n, "flat": 0.0}, "full_kl": None}
+    lines = [{"step": s, "seed": 0, "rules": [A, B], "delta": 5e-4, "k": 20, "tolerance": 1e-9, "tokens": 200,
+              "zero_advantage": 0, "outside": 80, "dropped_outside": {},
+              "pairs": {f"{A}|{B}": {"disagreement": 80, A: kept(40, 30), B: kept(40, 10)}},
+              "step_scales": {"1": _record(1.0, 30, 10, 40, 6.0)}} for s in (1, 2)]
+    (run / "audit.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (run / "mismatch_sample.jsonl").write_text(json.dumps({"step": 1, "d": 1e-3, "mu_tail": 0.0, "pi_tail": 0.0,
+                                                           "r": 1.0, "adv": 1.0}) + "\n")
+    doc = compare.run_transfer(run, tmp_path / "out", preset(AUDIT_PRESETS, "quick"), toy_audit=path, n_boot=100,
+                               log=lambda *_: None)
+    assert doc["toy_mismatch"] == toy["config"]["mismatch"] and doc["toy"]["points"] == 1
+    assert doc["step_matched"]["available"] and doc["step_matched"]["toy_scale"] in (1.0, 10.0)
+    assert "At the run's relative step size" in (tmp_path / "out" / "transfer.md").read_text()
+    other = dict(toy, config=dict(toy["config"], delta=0.15))
+    path.write_text(json.dumps(other))
+    with pytest.raises(ResultsError, match="delta"):
+        compare.run_transfer(run, tmp_path / "out2", preset(AUDIT_PRESETS, "quick"), toy_audit=path, log=lambda *_: None)

@@ -252,14 +252,32 @@ def _pooled_sample(run_dirs: list[Path], out: Path) -> Path:
     return pooled
 
 
+def _given_toy_audit(path: Path, rules: list[str], delta: float, k: int) -> dict:
+    """A toy ``audit.json`` made for this run's setting (rules, δ, K), or a ``ResultsError`` naming
+    what differs."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        cfg = doc["config"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ResultsError(f"--toy-audit {path}: not a toy audit.json ({err})") from None
+    for key, want, got in (("rules", rules, list(cfg.get("rules", []))[:2]), ("delta", delta, cfg.get("delta")),
+                           ("k", k, cfg.get("k"))):
+        if got != want:
+            raise ResultsError(f"--toy-audit {path}: its {key} is {got!r}, the run's {want!r} "
+                               f"(run the toy with {key}=… as the run)")
+    return doc
+
+
 def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int | None = None,
                  mismatch: str | None = None, overrides: list[str] = (), n_boot: int = 2000,
-                 search_iters: int = 12, log=print) -> dict:
+                 search_iters: int = 12, toy_audit: Path | None = None, log=print) -> dict:
     """Steps 1–4 of the module docstring; writes ``transfer.json`` and ``transfer.md`` into ``out``.
 
     ``run_dir``: one run directory, or a list of them (seeds of one setting): their audited steps
     are pooled as audit points and their mismatch samples concatenated. ``base``: the toy's
-    ``AuditConfig`` before the run's rules, δ and K are laid over it (``preset_name`` labels it)."""
+    ``AuditConfig`` before the run's rules, δ and K are laid over it (``preset_name`` labels it).
+    ``toy_audit``: an existing toy ``audit.json`` to compare instead of running one (its rules, δ
+    and K must be the run's; no calibration): one toy against many runs."""
     from pdm_lab.config import from_dict, to_dict
     from pdm_lab.runtime.yaml_config import apply_overrides
 
@@ -296,16 +314,21 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
     if seeds is not None:
         doc["seeds"] = seeds
     cfg: AuditConfig = from_dict(AuditConfig, doc)
-    if mismatch is None:
+    if toy_audit is not None:
+        toy_doc = _given_toy_audit(Path(toy_audit), [a, b], delta, k)
+        cfg = from_dict(AuditConfig, toy_doc["config"])
+        log(f"[transfer] the toy audit {Path(toy_audit).name}: {cfg.mismatch}, {cfg.seeds} seeds")
+    elif mismatch is None:
         if target <= 0:
             log("[transfer] the run has no outside tokens at this δ: the toy keeps the preset's mismatch")
         else:
             mismatch, _ = search_strength(cfg, target, seeds=2, iters=search_iters,
                                           progress=lambda s, f: log(f"  {s}: outside {100 * f:.3f}%"))
-    if mismatch is not None:
-        cfg = replace(cfg, mismatch=mismatch)
-    log(f"[transfer] toy audit at {cfg.mismatch}, {cfg.seeds} seeds × {cfg.sequences} sequences")
-    toy_doc = run_audit(cfg)
+    if toy_audit is None:
+        if mismatch is not None:
+            cfg = replace(cfg, mismatch=mismatch)
+        log(f"[transfer] toy audit at {cfg.mismatch}, {cfg.seeds} seeds × {cfg.sequences} sequences")
+        toy_doc = run_audit(cfg)
     toy = side_summary(toy_points(toy_doc, a, b), a, b, n_boot=n_boot)
     loop = side_summary(loop_points(lines, a, b), a, b, n_boot=n_boot)
     result = {"run_dir_name": ", ".join(r.name for r in run_dirs), "rules": list(rules), "delta": delta, "k": k,
