@@ -137,10 +137,11 @@ def test_transfer_compares_a_given_toy_audit_and_refuses_one_of_another_setting(
     from pdm_lab.envs.transfer import compare
 
     base = to_dict(preset(AUDIT_PRESETS, "quick"))
-    base.update(seeds=1, sequences=32, group_size=4, audit_at=[0], rules=[A, B], extra_rules=[], delta=5e-4, k=20,
+    base.update(seeds=1, sequences=64, group_size=8, audit_at=[0], rules=[A, B], extra_rules=[], delta=5e-4, k=20,
                 contexts=["shared"], k_sweep=[], stress_mismatch="", trajectory_seeds=0, n_boot=100,
                 step_scales=[10.0])
     base["problem"]["token_mdp"]["max_len"] = 12  # short responses: seconds, not minutes
+    base["mismatch"] = "noise:0.3"  # tokens outside δ
     toy = run_audit(from_dict(AuditConfig, base))
     path = tmp_path / "audit.json"
     path.write_text(json.dumps(toy))
