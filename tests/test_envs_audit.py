@@ -403,3 +403,19 @@ def test_paper_preset_has_the_papers_power_per_seed():
     regime = doc["regime"]
     assert 0.0002 <= regime["outside_fraction"] <= 0.05 and regime["tail_ratio"] >= 30, regime
     assert regime["topk_mass_ge_099"] > 0.5, regime
+
+
+def test_context_features_on_a_bandit_is_a_config_error_naming_the_field():
+    """The neural policy's hashed n-gram features read a token MDP's text; on a bandit they once
+    crashed with an AttributeError inside the first forward."""
+    from pdm_lab.config import ConfigError, from_dict, to_dict
+
+    from pdm_lab.envs.audit.config import AuditConfig
+    from pdm_lab.envs.presets import AUDIT_PRESETS, preset
+
+    doc = to_dict(preset(AUDIT_PRESETS, "quick"))
+    doc["problem"]["kind"] = "bandit"
+    assert doc["policy"] == "neural" and doc["context_features"] > 0
+    with pytest.raises(ConfigError, match="^context_features: .*bandit"):
+        from_dict(AuditConfig, doc)
+    from_dict(AuditConfig, dict(doc, context_features=0))

@@ -121,6 +121,10 @@ class AuditConfig:
         if not self.audit_at or any(s < 0 for s in self.audit_at) or list(self.audit_at) != sorted(set(self.audit_at)):
             raise ConfigError(f"audit_at: training steps ≥ 0 in increasing order, got {list(self.audit_at)}")
         one_of("policy", self.policy, POLICY_KINDS)
+        if self.context_features and self.policy == "neural" and self.problem.kind != "token_mdp":
+            raise ConfigError(f"context_features: {self.context_features} hashed n-grams of a token MDP's text are "
+                              f"part of the neural policy's input; problem.kind {self.problem.kind!r} has no text "
+                              "(set context_features=0)")
         vocab = self.problem.vocab_size
         for name, ks in (("k", (self.k,)), ("k_sweep", self.k_sweep)):
             if ks and max(ks) > vocab:
