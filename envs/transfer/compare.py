@@ -218,9 +218,12 @@ def markdown(doc: dict) -> str:
     lines = [f"# Transfer: toy audit vs the loop's own audit ({doc['run_dir_name']})", "",
              f"Rules A = `{a}`, B = `{b}`; δ = {doc['delta']}, K = {doc['k']}; ΔD of the top-K KL on both sides; "
              f"tolerance: loop {doc['loop_tolerance']}, toy {doc['toy_tolerance']}.",
-             f"Toy: preset `{doc['preset']}` at mismatch `{doc['toy_mismatch']}` (calibrated to the run's outside "
-             f"fraction {100 * doc['target_outside_fraction']:.3g}%, from {doc['target_source']}).", "",
-             "| quantity | toy (calibrated) | loop |", "| --- | --- | --- |"]
+             (f"Toy: the given audit `{doc['toy_audit']}` at mismatch `{doc['toy_mismatch']}` (not calibrated; the "
+              f"run's outside fraction is {100 * doc['target_outside_fraction']:.3g}%, from {doc['target_source']})."
+              if doc.get("toy_audit") else
+              f"Toy: preset `{doc['preset']}` at mismatch `{doc['toy_mismatch']}` (calibrated to the run's outside "
+              f"fraction {100 * doc['target_outside_fraction']:.3g}%, from {doc['target_source']})."), "",
+             f"| quantity | toy{'' if doc.get('toy_audit') else ' (calibrated)'} | loop |", "| --- | --- | --- |"]
     lines += [f"| {q} | {t} | {l} |" for q, t, l in rows]
     lines.append("")
     for name, reg in (("run (mismatch sample)", doc.get("run_regime")), ("toy (pooled seeds)", doc.get("toy_regime"))):
@@ -332,7 +335,8 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
     toy = side_summary(toy_points(toy_doc, a, b), a, b, n_boot=n_boot)
     loop = side_summary(loop_points(lines, a, b), a, b, n_boot=n_boot)
     result = {"run_dir_name": ", ".join(r.name for r in run_dirs), "rules": list(rules), "delta": delta, "k": k,
-              "preset": preset_name, "toy_mismatch": cfg.mismatch, "target_outside_fraction": target,
+              "preset": preset_name, "toy_audit": None if toy_audit is None else Path(toy_audit).name,
+              "toy_mismatch": cfg.mismatch, "target_outside_fraction": target,
               "target_source": target_source, "audited_outside_fraction": audited,
               "run_regime": run_regime, "toy_regime": toy_doc.get("regime"),
               "loop_tolerance": lines[0].get("tolerance"), "toy_tolerance": cfg.tolerance,
