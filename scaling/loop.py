@@ -9,11 +9,20 @@ Every rank holds an FSDP shard of the policy and its own vLLM engine (external l
 step = one rollout batch = ``trainer.mini_batches`` optimiser steps, then one weight sync.
 ``run_training`` reads as the list of those steps; each is a named function below it, and what
 is built once before the first step is ``scaling.run_setup``.
+
+Non-finite steps: an optimiser step whose loss or gradient is NaN or ±inf is skipped
+(``train_step.update_policy``), the step is logged with ``train/nonfinite = 1`` and the quantity
+(``train/nonfinite_loss``, ``_gradient``, ``_grad_norm``), and recorded with where it happened in
+``summary.json``. After ``NONFINITE_STOP_AFTER`` consecutive such steps the run stops with one
+line naming the step and the quantity. ``pdm-lab train`` then exits with status 3 (a result, as
+``sweep``'s non-finite runs), never a traceback.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import os
 import resource
 import sys
 import time
@@ -31,11 +40,12 @@ from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .distributed import all_reduce_max, all_reduce_sum
 from .evaluate import evaluate
+from .metrics_log import read_summary, write_summary
 from .policy_model import DTYPES, PREFIX, sequence_logprobs
 from .rollout import (engine_dtype, generate, outputs_to_batch, request_seed, sampling_params, score_sequence,
                       shutdown_engine)
 from .run_setup import Run, set_up_run
-from .train_step import update_policy
+from .train_step import NonFinite, NonFiniteUpdate, update_policy
 from .verifiers import score_responses
 from .weight_sync import check_sync, push_weights, rollout_weights, sync_tolerance
 
@@ -46,6 +56,7 @@ def run_training(cfg: TrainConfig) -> Path:
     sync_error(run.llm, run.policy, run.fixed_seq, cfg, run.start)
     if run.start == 0 and cfg.eval.every and cfg.eval.at_start and run.eval_sets:
         evaluate_at_start(run)
+    nonfinite = NonFiniteSteps.start(run)
     for step in range(run.start + 1, cfg.total_steps + 1):
         t_step, cpu_step = time.perf_counter(), time.process_time()
         times: dict[str, float] = {}
@@ -56,7 +67,7 @@ def run_training(cfg: TrainConfig) -> Path:
         with timed(times, "reward"):
             batch, rewards, ok, adv = score_and_advantages(run, batch, step)     # 3-4. rewards, Â
         audit = audit_batch(run, step, batch, adv, lr, times) if due(cfg.audit.every, step) else {}  # 5a.
-        metrics = train_on_batch(run, step, batch, adv, lr, times)              # 5. update
+        metrics, skipped = train_on_batch(run, step, batch, adv, lr, times)     # 5. update (non-finite: skipped)
         metrics.update(audit)
         with timed(times, "sync"):                                              # 6. weight sync
             push_weights(run.llm, rollout_weights(run.policy, cfg.rollout, PREFIX), in_place=run.in_place)
@@ -70,12 +81,123 @@ def run_training(cfg: TrainConfig) -> Path:
         # CPU seconds of this process (all its threads): on a shared machine, less load-dependent
         times["step_cpu"] = time.process_time() - cpu_step
         log_step(run, step, metrics, times)                                     # 9. log
+        if nonfinite.record(step, skipped):                                     # too many non-finite steps
+            break
         if due(cfg.checkpoint.every, step) or step == cfg.total_steps:         # 10. checkpoint
             checkpoint(run, step)
     run.log.close()
     torch.distributed.barrier()
     shutdown_engine(run.llm)  # vLLM's shutdown also tears down the process group
+    nonfinite.finish()  # summary.json; a non-finite run: its line, and exit status 3
     return run.run_dir
+
+
+#: Consecutive steps with a non-finite loss or gradient after which a run stops (each one's
+#: optimiser steps are skipped); ``trainer.max_nonfinite_steps`` where the config has that key.
+NONFINITE_STOP_AFTER = 3
+#: Exit status of ``pdm-lab train`` when a step went non-finite: a result, as ``sweep``'s.
+NONFINITE_EXIT = 3
+
+
+class NonFiniteRun(SystemExit):
+    """How a ``pdm-lab train`` run in this process ends when a step went non-finite: exit
+    status 3 after its one line on stderr (a ``SystemExit``: no traceback, not an internal error).
+    Ranks under torchrun return normally instead (a failed rank would fail the whole group)."""
+
+    def __init__(self, line: str):
+        super().__init__(NONFINITE_EXIT)
+        self.line = line
+
+
+def nonfinite_status(run_dir: Path) -> int:
+    """The exit status a finished run's ``summary.json`` calls for: ``NONFINITE_EXIT`` when a step
+    went non-finite, else 0 (for a launcher whose ranks ran under torchrun and returned 0)."""
+    return NONFINITE_EXIT if (read_summary(run_dir) or {}).get("nonfinite") else 0
+
+
+def nonfinite_limit(cfg: TrainConfig) -> int:
+    """Consecutive non-finite steps that stop the run (``NONFINITE_STOP_AFTER`` by default)."""
+    return int(getattr(cfg.trainer, "max_nonfinite_steps", None) or NONFINITE_STOP_AFTER)
+
+
+@dataclasses.dataclass
+class NonFiniteSteps:
+    """The run's non-finite steps: counted, said, written to ``summary.json`` (rank 0)."""
+
+    run: Run
+    limit: int
+    entries: list[dict]
+    consecutive: int = 0
+    stopped: int | None = None      # the step the run stopped at
+    last_step: int = 0
+
+    @classmethod
+    def start(cls, run: Run) -> "NonFiniteSteps":
+        """A resumed run keeps the earlier entries up to the resumed step (and their streak)."""
+        old = ((read_summary(run.run_dir) or {}).get("nonfinite_steps") or []) if run.start else []
+        entries = [e for e in old if isinstance(e, dict) and isinstance(e.get("step"), int) and e["step"] <= run.start]
+        streak, steps = 0, {e["step"] for e in entries}
+        while run.start - streak in steps:
+            streak += 1
+        return cls(run=run, limit=nonfinite_limit(run.cfg), entries=entries, consecutive=streak,
+                   last_step=run.start)
+
+    def record(self, step: int, skipped: list[NonFinite]) -> bool:
+        """After step ``step`` is logged: count it; True when the run must stop here."""
+        self.last_step = step
+        if not skipped:
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        first = skipped[0]
+        self.entries.append({"step": step, "quantity": first.quantity,
+                             "quantities": sorted({s.quantity for s in skipped}),
+                             "skipped_optimizer_steps": len(skipped),
+                             "optimizer_steps": self.run.cfg.trainer.mini_batches, "detail": first.detail})
+        stop = self.consecutive >= self.limit
+        self.run.say(f"[train] step {step}: non-finite {first.quantity} ({first.detail}); {len(skipped)} of "
+                     f"{self.run.cfg.trainer.mini_batches} optimiser steps skipped, the weights do not take it "
+                     f"({self.consecutive} consecutive; the run stops at {self.limit})")
+        if stop:
+            self.stopped = step
+        if self.run.lay.is_main:
+            write_summary(self.run.run_dir, self.summary())
+        return stop
+
+    def summary(self) -> dict:
+        cfg = self.run.cfg
+        return {"status": "stopped_nonfinite" if self.stopped is not None else
+                ("completed" if self.last_step >= cfg.total_steps else "running"),
+                "last_step": self.last_step, "total_steps": cfg.total_steps,
+                "nonfinite": bool(self.entries), "max_nonfinite_steps": self.limit,
+                "nonfinite_steps": self.entries, "message": self.line() if self.entries else None}
+
+    def line(self) -> str:
+        """The run's one line on its non-finite steps: the step, the quantity, the count."""
+        last = self.entries[-1]
+        where = f"summary in {self.run.run_dir / 'summary.json'}"
+        if self.stopped is not None:
+            return (f"stopped at step {self.stopped} of {self.run.cfg.total_steps}: {self.consecutive} consecutive "
+                    f"steps with a non-finite loss or gradient, the last a non-finite {last['quantity']} "
+                    f"({last['detail']}); no optimiser step was taken on a non-finite loss or gradient, the weights "
+                    f"stay finite; {where}")
+        steps = ", ".join(f"{e['step']} ({e['quantity']})" for e in self.entries[:5])
+        more = f" and {len(self.entries) - 5} more" if len(self.entries) > 5 else ""
+        return (f"finished, but {len(self.entries)} step(s) had a non-finite loss or gradient and were not "
+                f"stepped on: step {steps}{more}; {where}")
+
+    def finish(self) -> None:
+        """The final ``summary.json``; a non-finite run says so in one line and, outside torchrun,
+        ends with ``NonFiniteRun`` (exit status 3)."""
+        if not self.run.lay.is_main:
+            return
+        write_summary(self.run.run_dir, self.summary())
+        if not self.entries:
+            return
+        line = f"pdm-lab train: {self.line()}"
+        print(line, file=sys.stderr, flush=True)
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # this process is the command: its status says it
+            raise NonFiniteRun(line)
 
 
 def due(every: int, step: int) -> bool:
@@ -166,6 +288,12 @@ def score_and_advantages(run: Run, batch, step: int):
         run.say(f"[reward] step {step}: skipped {msg}")
     rewards = torch.tensor(scores.rewards, dtype=torch.float32)
     ok = torch.tensor(scores.ok, dtype=torch.bool)
+    overflow = ~torch.isfinite(rewards)  # finite as a Python float, beyond float32's range (|r| > 3.4e38)
+    if bool(overflow.any()):  # skipped like a non-finite reward (score_responses)
+        run.say(f"[reward] step {step}: skipped {int(overflow.sum())} samples whose reward overflows float32 "
+                f"(e.g. {scores.rewards[int(overflow.nonzero()[0, 0])]!r})")
+        ok &= ~overflow
+        rewards = torch.where(overflow, 0.0, rewards)
     batch.response_mask &= ok[:, None]
     adv = group_advantages(rewards, batch.group, ok, scale_by_std=cfg.algo.norm_by_std, eps=cfg.algo.std_eps)
     if lay.tp > 1:  # the ranks of a tensor-parallel group train on different sequences
@@ -179,16 +307,22 @@ def audit_batch(run: Run, step: int, batch, adv, lr: float, times: dict[str, flo
     and AdamW state, ΔD measured, everything restored bit-exactly; the record goes to
     ``audit.jsonl`` and its flat metrics are returned."""
     with timed(times, "audit"):
-        record = audit_live_batch(run.policy, run.optimizer, batch, adv, cfg=run.cfg,
-                                  vocab_size=run.model_info["vocab_size"], pad_id=run.pad_id, lr=lr,
-                                  device=run.lay.device)
+        try:
+            record = audit_live_batch(run.policy, run.optimizer, batch, adv, cfg=run.cfg,
+                                      vocab_size=run.model_info["vocab_size"], pad_id=run.pad_id, lr=lr,
+                                      device=run.lay.device)
+        except NonFiniteUpdate as err:  # every rank together; the skipped step changed nothing
+            run.say(f"[audit] step {step}: not audited: {err}")
+            return {"audit/skipped_nonfinite": 1.0}
     if run.lay.is_main:
         write_record(run.run_dir, step, run.cfg.seed, {**record, "time_s": times["audit"]})
     return {**flat_metrics(record, record["rules"]), "time/probe_s": record.get("time/probe_s", 0.0)}
 
 
-def train_on_batch(run: Run, step: int, batch, adv, lr: float, times: dict[str, float]) -> dict[str, float]:
-    """The update: the registry's mask and loss on π over μ's support; returns its metrics."""
+def train_on_batch(run: Run, step: int, batch, adv, lr: float,
+                   times: dict[str, float]) -> tuple[dict[str, float], list[NonFinite]]:
+    """The update: the registry's mask and loss on π over μ's support; returns its metrics and the
+    optimiser steps it skipped as non-finite."""
     with timed(times, "train"):
         upd = update_policy(run.policy, run.optimizer, batch, adv, cfg=run.cfg,
                             vocab_size=run.model_info["vocab_size"], pad_id=run.pad_id, lr=lr,
@@ -197,7 +331,7 @@ def train_on_batch(run: Run, step: int, batch, adv, lr: float, times: dict[str, 
     times["loss"] = upd.times["loss"]
     if "coupled" in upd.times:  # pdm_coupled's extra passes (SPEC §3b), its own timing line
         times["coupled"] = upd.times["coupled"]
-    return dict(upd.metrics)
+    return dict(upd.metrics), upd.nonfinite
 
 
 def rollout_metrics(run: Run, batch, rewards, ok, adv, lr: float) -> dict[str, float]:

@@ -6,11 +6,17 @@ purges its events after s, so every step appears exactly once in both. W&B (``lo
 by default) gets each step's non-null values, the resolved config, and at the end the live
 audit's tables (``audit.jsonl``: one row per audited step, and its regime table); a resumed run
 continues the same W&B run (its id is kept in ``run_dir/wandb_run_id.txt``).
+
+``summary.json`` (``write_summary``) is the run's result: how it ended (``completed`` or
+``stopped_nonfinite``), the last step, and every step whose loss or gradient went non-finite
+(its optimiser steps skipped), with the quantity and where. Written when such a step happens
+and at the end, replaced atomically; a resumed run keeps the entries up to the resumed step.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +103,24 @@ class MetricsLog:
         self.wb.table("audit/regime", [{"step": r.get("step"), **flat(r["regime"])} for r in records
                                        if isinstance(r.get("regime"), dict)])
 
+
+
+SUMMARY = "summary.json"
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Write ``run_dir/summary.json`` atomically (a reader never sees half a file)."""
+    path = Path(run_dir) / SUMMARY
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """``run_dir/summary.json``, or None when there is none (or it cannot be read)."""
+    try:
+        data = json.loads((Path(run_dir) / SUMMARY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -10,17 +10,28 @@ Aggregation across micro-batches and ranks: the mini-batch's counts over every m
 rank are gathered once (``pdm_lab.aggregation.DPInfo.all_reduce``) and handed to the core's loss,
 whose aggregate is then each micro-batch's share of the whole mini-batch's (DAPO's token-mean is
 over every token of the batch; FSDP averages the ranks' gradients).
+
+Non-finite numbers: a mini-batch whose loss (on any rank) or global gradient norm is NaN or ±inf
+is not stepped on: its gradients are dropped, the weights and the optimiser state stay as they
+were, and ``UpdateResult.nonfinite`` says which mini-batch and which quantity (``loss``,
+``gradient``, ``grad_norm``). Every rank makes the same decision (the loss flags are all-reduced,
+the norm is global), and a rank whose loss failed still runs a zero backward through the same
+graph, so FSDP's gradient collectives stay in step. ``scaling.loop`` counts such steps.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+import types
 
 import torch
 from torch import Tensor
 
 from pdm_lab.aggregation import DPInfo
+from pdm_lab.errors import PDMInputError, one_line
 from pdm_lab.loss import LossOutput, pdm_policy_loss
+from pdm_lab.loss_checks import gradient_flags
 from pdm_lab.metrics import MetricSums, all_reduce_metrics, as_mismatch, finalize_floats, merge_metrics, metric
 from pdm_lab.padding import policy_with_padding_rows
 from pdm_lab.policy_side import PolicyOnSupport
@@ -28,6 +39,7 @@ from pdm_lab.sampling_mask import SamplingMask, engine_kept, on_sampling_set
 from pdm_lab.support import Support, support_from_topk
 
 from .coupled_fd import coupled_for_minibatch
+from .distributed import all_reduce_max
 from .policy_model import DTYPES
 from .rollout import RolloutBatch
 
@@ -139,6 +151,27 @@ def micro_batch_loss(policy, mb: MicroBatch, mask_cfg, *, vocab_size: int, tempe
     return pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=coupled, dp=dp), t1 - t0
 
 
+def guarded_loss(policy, mb: MicroBatch, mask_cfg, *, vocab_size: int, temperature: float,
+                 chunk_tokens: int | None, dp: DPInfo | None = None, coupled: Tensor | None = None,
+                 sampling: SamplingMask | None = None) -> tuple[LossOutput | None, Tensor, str | None, float]:
+    """``micro_batch_loss`` for the update: a non-finite loss (the core's ``loss: ...`` error) is
+    returned, not raised. Returns (the loss output or None, the tensor to backward, the error's
+    line or None, the seconds in the support and π). On a non-finite loss the tensor is a zero
+    through π's graph: its backward reaches every parameter (FSDP's reduce-scatter runs as on the
+    other ranks) and adds nothing."""
+    t0 = time.perf_counter()
+    pi, support = policy_and_support(policy, mb, micro_batch_support(mb, mask_cfg, vocab_size), temperature,
+                                     chunk_tokens, sampling)
+    t1 = time.perf_counter()
+    try:
+        out = pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=coupled, dp=dp)
+    except PDMInputError as err:
+        if not str(err).startswith("loss:"):  # bad input, not a non-finite result
+            raise
+        return None, (pi.logp * 0.0).sum(), one_line(err, limit=600), t1 - t0
+    return out, out.loss, None, t1 - t0
+
+
 def split(n: int, parts: int) -> list[list[int]]:
     """``range(n)`` in ``parts`` contiguous chunks of equal size (n must divide)."""
     if n % parts:
@@ -147,12 +180,66 @@ def split(n: int, parts: int) -> list[list[int]]:
     return [list(range(i, i + size)) for i in range(0, n, size)]
 
 
+@dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """A mini-batch that was not stepped on: which quantity was NaN or ±inf, and where."""
+
+    mini_batch: int
+    quantity: str  # "loss" (on some rank), "gradient" (an entry), "grad_norm" (entries finite, the norm overflows)
+    detail: str    # one line: the core's message, the first offending parameter, or the norm
+
+
+class NonFiniteUpdate(RuntimeError):
+    """Raised (on every rank together, after the skip) by ``update_policy`` when a caller that
+    reads every micro-batch's output (``on_loss``: the direction audit) met a non-finite one."""
+
+    def __init__(self, nonfinite: list[NonFinite]):
+        first = nonfinite[0]
+        super().__init__(f"non-finite {first.quantity} in mini-batch {first.mini_batch}: {first.detail}")
+        self.nonfinite = nonfinite
+
+
 @dataclasses.dataclass
 class UpdateResult:
-    """Metrics of the update (floats, reduced over ranks) and its time split (seconds, rank-local)."""
+    """Metrics of the update (floats, reduced over ranks), its time split (seconds, rank-local)
+    and the mini-batches skipped as non-finite (the same on every rank; empty: none)."""
 
     metrics: dict[str, float]
     times: dict[str, float]
+    nonfinite: list[NonFinite] = dataclasses.field(default_factory=list)
+
+
+def _local_grad(param) -> Tensor | None:
+    grad = param.grad
+    return grad.to_local() if grad is not None and hasattr(grad, "to_local") else grad
+
+
+def gradient_norm(policy) -> tuple[Tensor | None, float | None]:
+    """The global 2-norm of the gradients (over FSDP shards and ranks): the tensor to clip with and
+    its value. Collective under FSDP; (None, None) without gradients."""
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    if not grads:
+        return None, None
+    norm = torch.nn.utils.get_total_norm(grads)
+    value = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return norm, float(value)
+
+
+def nonfinite_check(policy, mb_index: int, loss_error: str | None, norm: float | None) -> NonFinite | None:
+    """The mini-batch's verdict, the same on every rank: a loss that failed on any rank (one
+    all-reduce of a flag), else a non-finite global gradient norm, named by this rank's first
+    non-finite gradient entry (``pdm_lab.loss_checks.gradient_flags`` on its shards)."""
+    failed = all_reduce_max([1.0 if loss_error is not None else 0.0])[0] > 0
+    if failed:
+        return NonFinite(mb_index, "loss", loss_error or "non-finite loss on another rank")
+    if norm is None or math.isfinite(norm):
+        return None
+    _, first = gradient_flags((name, types.SimpleNamespace(grad=_local_grad(p)))
+                              for name, p in policy.named_parameters())
+    if first is not None:
+        return NonFinite(mb_index, "gradient", f"gradient norm {norm}; first non-finite entry: {first}")
+    return NonFinite(mb_index, "grad_norm", f"gradient norm {norm}: every entry on this rank is finite; "
+                     "the squared sum overflows (or another rank's shard holds the non-finite entry)")
 
 
 def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cfg, vocab_size: int,
@@ -172,7 +259,11 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         mismatch_sample: callable ``(stats, adv, resp)`` given each micro-batch of the first
             mini-batch, its per-token stats before any step (``mismatch_sample.MismatchSample``); None: no sample.
         on_loss: callable ``(mb_index, micro_index, out)`` given each micro-batch's ``LossOutput``
-            (its keep mask and stats; the direction audit reads them); None: nothing.
+            (its keep mask and stats; the direction audit reads them); None: nothing. With it, a
+            non-finite mini-batch raises ``NonFiniteUpdate`` (after the skip, on every rank).
+
+    A mini-batch whose loss or gradient is non-finite is not stepped on (module docstring): the
+    result's ``nonfinite`` lists them and ``train/nonfinite`` & co. are in its metrics.
     """
     mask_cfg, tcfg = cfg.mask, cfg.trainer
     per_token = mask_cfg.aggregation == "token-mean"
@@ -180,6 +271,8 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         group["lr"] = lr
     times = {"forward_backward": 0.0, "loss": 0.0, "optimizer": 0.0}
     sums: MetricSums = {}
+    skipped: list[NonFinite] = []
+    agreed = {"loss/policy", "loss/grad_norm"}  # keys every rank adds whatever its losses did
     for mb_index, mini in enumerate(split(len(batch), tcfg.mini_batches)):
         micro_rows = [mini[i:i + tcfg.micro_batch_size] for i in range(0, len(mini), tcfg.micro_batch_size)]
         micros = [make_micro_batch(batch, rows, seq_adv, pad_id).to(device or "cpu") for rows in micro_rows]
@@ -194,44 +287,65 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
                 lambda m, s: micro_batch_policy(policy, m, s, cfg.rollout.temperature, tcfg.logits_chunk_tokens),
                 mask_cfg, compute_dtype=DTYPES[tcfg.param_dtype])
             times["coupled"] = times.get("coupled", 0.0) + time.perf_counter() - t0
+        loss_error = None  # this rank's first non-finite loss in the mini-batch
         for micro_index, (mb, c) in enumerate(zip(micros, coupled)):
             t0 = time.perf_counter()
-            out, t_policy = micro_batch_loss(policy, mb, mask_cfg, vocab_size=vocab_size,
-                                             temperature=cfg.rollout.temperature,
-                                             chunk_tokens=tcfg.logits_chunk_tokens, dp=dp, coupled=c,
-                                             sampling=getattr(cfg.rollout, "sampling_mask", None))
+            out, loss, error, t_policy = guarded_loss(policy, mb, mask_cfg, vocab_size=vocab_size,
+                                                      temperature=cfg.rollout.temperature,
+                                                      chunk_tokens=tcfg.logits_chunk_tokens, dp=dp, coupled=c,
+                                                      sampling=getattr(cfg.rollout, "sampling_mask", None))
             t2 = time.perf_counter()
-            out.loss.backward()
+            loss.backward()
             t3 = time.perf_counter()
             times["loss"] += t2 - t0 - t_policy
             times["forward_backward"] += t_policy + (t3 - t2)
+            loss_weight += mb.n_tokens if per_token else mb.n_seqs
+            if out is None:  # non-finite: no metrics, and a NaN logged loss
+                loss_error = loss_error or error
+                loss_sum += math.nan
+                continue
             # the logged loss is the mini-batch's aggregate: this micro-batch's loss times the
             # mini-batch's count over world is its Σ, and its local count its weight
             loss_sum += float(out.loss.detach()) * dp.count(mask_cfg.aggregation) / dp.world
-            loss_weight += mb.n_tokens if per_token else mb.n_seqs
             parts.append(out.metric_sums)
             if on_loss is not None:
                 on_loss(mb_index, micro_index, out)
             if mb_index == 0 and mismatch_sample is not None:  # before any step: the realised mismatch
                 mismatch_sample(out.stats, mb.advantages, mb.response_mask)
         t0 = time.perf_counter()
-        grad_norm = None
-        if tcfg.grad_clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), tcfg.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-        optimizer.step()
+        norm_tensor, norm = gradient_norm(policy)  # global; computed with or without clipping
+        bad = nonfinite_check(policy, mb_index, loss_error, norm)
+        if bad is None:
+            if tcfg.grad_clip is not None and norm_tensor is not None:
+                torch.nn.utils.clip_grads_with_norm_(policy.parameters(), tcfg.grad_clip, norm_tensor)
+            optimizer.step()
+        else:  # never step on it: the weights and the optimiser's moments would take the NaN/inf
+            skipped.append(bad)
         optimizer.zero_grad(set_to_none=True)
         times["optimizer"] += time.perf_counter() - t0
         parts.append({"loss/policy": metric("mean", loss_sum, loss_weight)})
-        if grad_norm is not None:  # already global: every rank adds the same value once
-            parts.append({"loss/grad_norm": metric("mean", grad_norm)})
+        if tcfg.grad_clip is not None:  # already global: every rank adds the same value once
+            parts.append({"loss/grad_norm": metric("mean", math.nan if norm is None else norm)})
         if coupled_info:  # already global: every rank adds the same value once
             parts.append({key: metric("mean", value) for key, value in coupled_info.items()})
+            agreed.update(coupled_info)
         if mb_index == 0:  # before any optimiser step of this batch: the realised mismatch
             parts.append(as_mismatch(merge_metrics(*parts)))
         sums = merge_metrics(sums, *parts)
     t1 = time.perf_counter()
+    if skipped:  # a rank whose loss failed lacks that micro-batch's keys: merge only those every rank has
+        sums = {key: value for key, value in sums.items() if key in agreed}
     metrics = finalize_floats(all_reduce_metrics(sums))  # one exact merge over ranks: 3 collectives
     times["loss"] += time.perf_counter() - t1
-    return UpdateResult(metrics=metrics, times=times)
+    metrics.update(nonfinite_metrics(skipped))  # already global
+    if skipped and on_loss is not None:  # the caller reads every micro-batch's output: some are missing
+        raise NonFiniteUpdate(skipped)
+    return UpdateResult(metrics=metrics, times=times, nonfinite=skipped)
+
+
+def nonfinite_metrics(skipped: list[NonFinite]) -> dict[str, float]:
+    """``train/nonfinite`` (1: some optimiser step of this update was skipped), the skipped steps,
+    and how many for each quantity (``train/nonfinite_loss``, ``_gradient``, ``_grad_norm``)."""
+    counts = {q: float(sum(s.quantity == q for s in skipped)) for q in ("loss", "gradient", "grad_norm")}
+    return {"train/nonfinite": float(bool(skipped)), "train/skipped_optimizer_steps": float(len(skipped)),
+            **{f"train/nonfinite_{q}": n for q, n in counts.items()}}
