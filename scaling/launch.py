@@ -110,7 +110,10 @@ def _launch_locked(cfg: TrainConfig, nproc: int) -> int:
     env[LAUNCHER_ENV] = str(os.getpid())  # each rank watches this pid and dies with it
     proc = subprocess.Popen(torchrun_command(resolved, nproc), env=env, preexec_fn=die_with_parent)
     try:
-        return proc.wait()
+        code = proc.wait()
     except KeyboardInterrupt:  # the terminal sent SIGINT to torchrun too; let it stop its ranks
         proc.send_signal(signal.SIGINT)
         return proc.wait()
+    from .loop import nonfinite_status
+
+    return code or nonfinite_status(run_dir)  # ranks return 0 on a non-finite run: summary.json says so

@@ -11,7 +11,12 @@ trainer sections, the winning ``mask:`` and its ``provenance:``). Output:
   (``pdm_lab.integrations.verl_patches``): ``PDM_LAB_VERL_TOPK=K`` exported for a local Ray
   cluster and passed to every Ray worker through ``ray_kwargs.ray_init.runtime_env``, with
   processed log-probs (and vLLM's ``max_logprobs`` when K > 20). Rules that need inputs verl
-  cannot give (``needs``: full distributions, the coupled direction) are refused.
+  cannot give (``needs``: full distributions, the coupled direction) are refused. The engine's
+  sampling mask (``rollout.keep_sampling_mask``, on by default when ``top_p``/``top_k`` cut) goes
+  to the plugin loss as ``policy_loss.sampling_mask`` with the rollout's own ``top_k``/``top_p``,
+  so π is renormalised over what vLLM could sample (``pdm_lab.sampling_mask``); it needs a top-K
+  rule (a sampled-token loss sees only log π_k of the full softmax) and verl has no ``min_p``:
+  either is refused in one line naming the key.
 
 Both carry the provenance (sweep, cell, criterion, metrics, code version) and the evidence the
 choice rests on (criterion value with its CI, the runner-up's, seeds, steps, regime, verdict) as
@@ -26,7 +31,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..config import to_dict
+from ..config import ConfigError, to_dict
 from pdm_lab.mask_config import MaskConfig
 from ..masks import MASK_RULES
 
@@ -168,6 +173,7 @@ def verl_overrides(cfg: Any) -> list[str]:
         f"actor_rollout_ref.rollout.n={ro.group_size}",
         f"actor_rollout_ref.rollout.temperature={ro.temperature}",
         f"actor_rollout_ref.rollout.top_p={ro.top_p}",
+        f"actor_rollout_ref.rollout.top_k={ro.top_k}",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         f"actor_rollout_ref.actor.optim.lr={tr.lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={max(1, ro.prompts_per_step // tr.mini_batches)}",
@@ -186,12 +192,37 @@ def verl_overrides(cfg: Any) -> list[str]:
     ]
     if mask.horizon is not None:
         out.append(f"actor_rollout_ref.actor.loss_scale_factor={mask.horizon}")
+    sampling = verl_sampling_mask(cfg)
+    if sampling is not None:  # π over the engine's sampling set (pdm_lab.integrations.verl_config)
+        out.append("+actor_rollout_ref.actor.policy_loss.sampling_mask=" + hydra_value(sampling))
     if record.support == "topk":  # μ's top-K from the rollout: pdm_lab.integrations.verl_patches
         out += [f'+ray_kwargs.ray_init.runtime_env.env_vars.{VERL_TOPK_ENV}="{mask.k}"',
                 "actor_rollout_ref.rollout.logprobs_mode=processed_logprobs"]
         if mask.k > VLLM_MAX_LOGPROBS:
             out.append(f"+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs={mask.k}")
     return out
+
+
+def verl_sampling_mask(cfg: Any) -> dict | None:
+    """``policy_loss.sampling_mask`` for run config `cfg`: the rollout's ``top_k``/``top_p`` when
+    the engine's sampling mask is kept (``rollout.keep_sampling_mask``; None: whenever they cut),
+    else None. ``min_p`` (verl's rollout has no such key) and a sampled-token rule (its loss cannot
+    renormalise π) are refused with the key that turns the mask off."""
+    ro = cfg.rollout
+    if ro.keep_sampling_mask is False:
+        return None
+    if ro.min_p > 0:
+        raise ConfigError(f"promote --target verl: rollout.min_p={ro.min_p}: verl's rollout has no min_p, so its "
+                          "engine would not make that cut; set rollout.min_p=0")
+    mask = ro.sampling_mask
+    if mask is None:  # nothing cut
+        return None
+    if MASK_RULES[cfg.mask.rule].support != "topk":
+        raise ConfigError(f"promote --target verl: rollout.keep_sampling_mask: rule {cfg.mask.rule!r} is a "
+                          f"sampled-token rule, whose verl loss sees log π_k of the full softmax (no cut mass "
+                          f"to renormalise by); use a top-K rule, or set rollout.keep_sampling_mask=false "
+                          f"(top_p={ro.top_p}, top_k={ro.top_k} then count as mismatch)")
+    return {"top_k": mask.top_k, "top_p": mask.top_p}
 
 
 def verl_script(cfg: Any) -> str:
