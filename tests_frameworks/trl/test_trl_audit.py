@@ -44,7 +44,8 @@ def _train(tiny_dir, out, audit: LiveAuditConfig | None):
 
 
 def test_audit_writes_audit_jsonl_and_logs_rates_without_changing_training(tiny_dir, tmp_path, monkeypatch):
-    audit = LiveAuditConfig(every=1, rules=RULES, delta=0.02)
+    # the probe is tested by test_trl_audit_probe.py; here a small one keeps the bit-exact restore test quick
+    audit = LiveAuditConfig(every=1, rules=RULES, delta=0.02, probe_tokens=4, step_scales=(1.0,))
     plain = _train(tiny_dir, tmp_path / "plain", None)
     audited = _train(tiny_dir, tmp_path / "audited", audit)
 
