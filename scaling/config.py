@@ -267,6 +267,9 @@ class TrainerConfig:
     so no [N, V] logits tensor lives across the step (None: one chunk)."""
     gradient_checkpointing: bool = False
     """Recompute decoder layers in backward."""
+    max_nonfinite_steps: Annotated[int, at_least(1)] = 3
+    """Consecutive steps with a non-finite loss or gradient (their optimiser steps skipped) that stop
+    the run, exit status 3 (docs/hardening.md)."""
 
     def __post_init__(self) -> None:
         one_of("trainer.param_dtype", self.param_dtype, TRAIN_DTYPES)

@@ -13,7 +13,7 @@ is built once before the first step is ``scaling.run_setup``.
 Non-finite steps: an optimiser step whose loss or gradient is NaN or ±inf is skipped
 (``train_step.update_policy``), the step is logged with ``train/nonfinite = 1`` and the quantity
 (``train/nonfinite_loss``, ``_gradient``, ``_grad_norm``), and recorded with where it happened in
-``summary.json``. After ``NONFINITE_STOP_AFTER`` consecutive such steps the run stops with one
+``summary.json``. After ``trainer.max_nonfinite_steps`` (default 3) consecutive such steps the run stops with one
 line naming the step and the quantity. ``pdm-lab train`` then exits with status 3 (a result, as
 ``sweep``'s non-finite runs), never a traceback.
 """
@@ -94,7 +94,6 @@ def run_training(cfg: TrainConfig) -> Path:
 
 #: Consecutive steps with a non-finite loss or gradient after which a run stops (each one's
 #: optimiser steps are skipped); ``trainer.max_nonfinite_steps`` where the config has that key.
-NONFINITE_STOP_AFTER = 3
 #: Exit status of ``pdm-lab train`` when a step went non-finite: a result, as ``sweep``'s.
 NONFINITE_EXIT = 3
 
@@ -116,8 +115,8 @@ def nonfinite_status(run_dir: Path) -> int:
 
 
 def nonfinite_limit(cfg: TrainConfig) -> int:
-    """Consecutive non-finite steps that stop the run (``NONFINITE_STOP_AFTER`` by default)."""
-    return int(getattr(cfg.trainer, "max_nonfinite_steps", None) or NONFINITE_STOP_AFTER)
+    """Consecutive non-finite steps that stop the run (``trainer.max_nonfinite_steps``)."""
+    return int(cfg.trainer.max_nonfinite_steps)
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 """Non-finite steps in the scaling loop (issue 31): a loss or gradient that goes NaN/inf is never
-stepped on, is logged and summarised, and stops the run after ``NONFINITE_STOP_AFTER``
+stepped on, is logged and summarised, and stops the run after ``trainer.max_nonfinite_steps``
 consecutive steps with exit status 3 and one line, never a traceback or exit 70.
 
 * ``update_policy`` in one process: an overflowing loss, an overflowing gradient norm (with and
