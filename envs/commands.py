@@ -137,12 +137,20 @@ def register_transfer(subparsers) -> None:
     add_transfer_parser(subparsers)
 
 
+def register_mechanism(subparsers) -> None:
+    """``pdm-lab mechanism``: what moved the divergence in an audited run (SPEC §6d)."""
+    from .study_commands import add_mechanism_parser
+
+    add_mechanism_parser(subparsers)
+
+
 def register(subparsers) -> None:
     """Every toy command (``python -m``-style use; ``pdm-lab`` finds them as entry points)."""
     register_audit(subparsers)
     register_sweep(subparsers)
     register_calibrate(subparsers)
     register_transfer(subparsers)
+    register_mechanism(subparsers)
 
 
 def audit_main(args: argparse.Namespace) -> int:

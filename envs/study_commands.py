@@ -113,6 +113,31 @@ def add_transfer_parser(subparsers) -> None:
     p.set_defaults(func=transfer_main)
 
 
+def add_mechanism_parser(subparsers) -> None:
+    """The ``mechanism`` subcommand (registered by ``envs.commands.register_mechanism``)."""
+    p = subparsers.add_parser(
+        "mechanism", help="what moved the divergence in an audited run: own-update probe, step decomposition, "
+                          "unsafe-keep across step sizes (SPEC §6d)",
+        description="Pools the audit lines of one or more scaling (or TRL) runs trained with audit.every=N and "
+                    "audit.probe_tokens > 0, and writes mechanism.json, mechanism.md and mechanism_step_sizes.png: "
+                    "each rule's sign agreement with the own update, the kernel-aware test, cos(K v, v), the "
+                    "own/rest/memory/remainder shares and unsafe-keep against the step's median |ΔD|/D.")
+    p.add_argument("run_dir", type=Path, nargs="+", help="audited run directories (several: seeds of one setting)")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.set_defaults(func=mechanism_main)
+
+
+def mechanism_main(args: argparse.Namespace) -> int:
+    from pdm_lab.envs.transfer.mechanism import mechanism_markdown, write_mechanism
+
+    if args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out} is a file; give a folder")
+    doc = write_mechanism(args.run_dir, args.out)
+    print(mechanism_markdown(doc))
+    print(f"written to {args.out / 'mechanism.json'}, {args.out / 'mechanism.md'}")
+    return 0
+
+
 def transfer_main(args: argparse.Namespace) -> int:
     from pdm_lab.config import ConfigError
     from pdm_lab.errors import one_line

@@ -275,3 +275,16 @@ def test_train_with_audit_writes_audit_jsonl(tmp_path):
     for r in lines:  # the interference line: each rule's dropped outside tokens, counted
         dropped = r["dropped_outside"]["pdm_topk"]["topk_kl"]
         assert dropped["count"] == dropped["grew"] + dropped["shrank"] + dropped["flat_count"]
+    # what moved the divergence, from the same run's probe, decomposition and step sizes
+    out = tmp_path / "mechanism"
+    proc = subprocess.run([sys.executable, "-m", "pdm_lab", "mechanism", str(run_dir), "--out", str(out)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    doc = json.loads((out / "mechanism.json").read_text())
+    assert doc["audited_steps"] == 2 and doc["probe"]["probe/tokens"] > 0
+    assert "probe/agree/pdm_topk/outside/topk_kl" in doc["probe"] and "probe/data" not in doc["probe"]
+    assert set(doc["step_scales"]) == {"1", "0.1", "0.01"}
+    assert doc["step_scales"]["1"]["dppo_topk_kl"]["n"] >= 0 and doc["decomposition"]["dppo_topk_kl"] is not None
+    md = (out / "mechanism.md").read_text()
+    assert "## The own-update probe" in md and "## Unsafe-keep across step sizes" in md
+    assert (out / "mechanism_step_sizes.png").stat().st_size > 1000

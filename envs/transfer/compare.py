@@ -74,6 +74,18 @@ def read_audit_lines(run_dir: Path) -> list[dict]:
     return lines
 
 
+def read_runs_lines(run_dirs: list[Path]) -> list[dict]:
+    """The audit lines of several runs (seeds of one setting), or a ``ResultsError`` when they
+    audited different rules, δ or K."""
+    lines = [line for run in run_dirs for line in read_audit_lines(run)]
+    for line in lines[1:]:
+        for key in ("rules", "delta", "k"):
+            if line[key] != lines[0][key]:
+                raise ResultsError(f"run_dir: the runs audited different {key} ({line[key]!r} vs {lines[0][key]!r}); "
+                                   "pool only seeds of one setting")
+    return lines
+
+
 def _entry(rates: dict | None) -> dict:
     """A ``delta_rates`` entry with null rates back to NaN (a missing table: nothing counted)."""
     if rates is None:
@@ -290,12 +302,7 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
 
     start = time.perf_counter()
     run_dirs = [Path(r) for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
-    lines = [line for run in run_dirs for line in read_audit_lines(run)]
-    for line in lines[1:]:
-        for key in ("rules", "delta", "k"):
-            if line[key] != lines[0][key]:
-                raise ResultsError(f"run_dir: the runs audited different {key} ({line[key]!r} vs {lines[0][key]!r}); "
-                                  "pool only seeds of one setting")
+    lines = read_runs_lines(run_dirs)
     out.mkdir(parents=True, exist_ok=True)
     rules, delta, k = lines[0]["rules"], float(lines[0]["delta"]), int(lines[0]["k"])
     a, b = rules[0], rules[1]

@@ -1,0 +1,138 @@
+"""What moved the divergence in an audited run (SPEC §6d), pooled over its audited steps and seeds.
+
+From the audit lines the loop (``audit.jsonl``) or TRL writes with ``audit.probe_tokens > 0``:
+
+* the own-update probe: per rule, how often its predicted direction has the sign of the token's
+  own first-order ΔD under the model's kernel K (and under AdamW's J P Jᵀ), over outside and over
+  disagreement tokens (Wilson 95%); the kernel-aware test a·I + b·W Wᵀ and its paired difference
+  to each rule; cos(K v, v) and the output layer's share of ‖K v‖²;
+* the step decomposition per rule: own / rest of the batch / optimiser memory / remainder shares
+  of |ΔD| and the median |ΔD|/D;
+* the step-size audit: each rule's unsafe-keep and the two controls at each multiple of the
+  run's step, against that step's median |ΔD|/D (``mechanism_step_sizes.png``).
+
+``pdm-lab mechanism RUN_DIR... --out DIR`` writes ``mechanism.json``, ``mechanism.md`` and the figure.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pdm_lab.probe import pool_decomposition, pool_probe
+
+from pdm_lab.envs.transfer.step_matched import pooled_step_scales
+
+DIVERGENCE = "topk_kl"
+
+
+def _no_data(d: dict | None) -> dict | None:
+    return None if d is None else {k: v for k, v in d.items() if not k.endswith("/data")}
+
+
+def mechanism_doc(lines: list[dict], run_names: list[str]) -> dict:
+    """The pooled statistics of the module docstring (``probe`` None: no line carries a probe)."""
+    rules = list(lines[0]["rules"])
+    probes = [ln["probe"] for ln in lines if (ln.get("probe") or {}).get("probe/tokens")]
+    decomposition = {}
+    for rule in rules:
+        parts = [ln["decomposition"][rule] for ln in lines
+                 if ((ln.get("decomposition") or {}).get(rule) or {}).get("decomp/tokens")]
+        decomposition[rule] = _no_data(pool_decomposition(parts)) if parts else None
+    return {"runs": run_names, "rules": rules, "delta": lines[0]["delta"], "k": lines[0]["k"],
+            "audited_steps": len(lines), "outside_tokens": sum(int(ln.get("outside") or 0) for ln in lines),
+            "probe": _no_data(pool_probe(probes)) if probes else None, "decomposition": decomposition,
+            "step_scales": pooled_step_scales([ln.get("step_scales") for ln in lines], rules)}
+
+
+def step_records(doc: dict) -> dict:
+    """The pooled step sizes in ``step_scale_record``'s keys (for ``envs.report.step_sizes``)."""
+    out = {}
+    for key, row in doc["step_scales"].items():
+        rec = {"steps/lr_scale": row["lr_scale"], "steps/median_abs_dd_over_d": {"value": row["median_abs_dd_over_d"]}}
+        for name in [*doc["rules"], "kept_by_all", "momentum_only"]:
+            r = row[name]
+            prefix = "steps/unsafe_keep/" if name in doc["rules"] else "steps/control/"
+            rec[prefix + name] = {"unsafe_keep": r["rate"], "lo": r["lo"], "hi": r["hi"], "count": r["n"]}
+        out[key] = rec
+    return out
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+
+def _rate(e: dict | None) -> str:
+    return "–" if not e else f"{_pct(e['rate'])} [{_pct(e['lo'])}, {_pct(e['hi'])}] (n {e['n']})"
+
+
+def mechanism_markdown(doc: dict) -> str:
+    rules, p = doc["rules"], doc["probe"]
+    out = [f"# What moved the divergence: {', '.join(doc['runs'])}", "",
+           f"δ = {doc['delta']}, K = {doc['k']}; {doc['audited_steps']} audited steps, {doc['outside_tokens']} "
+           f"outside tokens. ΔD of the top-K KL; intervals 95% (Wilson for rates, paired Wald for "
+           "differences, bootstrap for shares, order statistics for medians).", ""]
+    if p is None:
+        out += ["No probe keys: the run was audited with `audit.probe_tokens: 0` (or before the probe existed).", ""]
+    else:
+        out += [f"## The own-update probe ({p['probe/tokens']} probed outside tokens, "
+                f"{p['probe/disagreement_tokens']} where the rules disagree)", "",
+                "Share of tokens on which the rule's predicted direction has the sign of the token's own "
+                "first-order ΔD (under K = J Jᵀ; and under AdamW's J P Jᵀ).", "",
+                "| test | disagreement, K | disagreement, J P Jᵀ | outside, K |", "| --- | --- | --- | --- |"]
+        for name, prefix in [*((r, f"probe/agree/{r}") for r in rules), ("kernel-aware a·I + b·W Wᵀ", "probe/kernel_test")]:
+            pre = prefix.replace("probe/agree/", "probe/agree_precond/").replace("probe/kernel_test", "probe/kernel_test_precond")
+            out.append(f"| {name} | {_rate(p.get(f'{prefix}/disagreement/{DIVERGENCE}'))} | "
+                       f"{_rate(p.get(f'{pre}/disagreement/{DIVERGENCE}'))} | {_rate(p.get(f'{prefix}/outside/{DIVERGENCE}'))} |")
+        out.append("")
+        for r in rules:
+            d = p.get(f"probe/kernel_vs/{r}/disagreement/{DIVERGENCE}")
+            if d:
+                out.append(f"- kernel-aware test − `{r}` on disagreement tokens: {_pct(d['diff'])} "
+                           f"[{_pct(d['lo'])}, {_pct(d['hi'])}] (paired, n {d['n']})")
+        for key, label in (("probe/cos_kv_v", "cos(K v, v)"), ("probe/head_share", "output layer's share of ‖K v‖²")):
+            e = p.get(key)
+            if e:
+                out.append(f"- {label}: median {e['median']:.3g} [{e['lo']:.3g}, {e['hi']:.3g}] (n {e['n']})")
+        out.append("")
+    out += ["## The step decomposition (probed outside tokens each rule kept)", "",
+            "| rule | tokens | own | rest of batch | optimiser memory | remainder | median \\|ΔD\\|/D |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rules:
+        d = doc["decomposition"].get(r)
+        if not d:
+            out.append(f"| {r} | 0 | – | – | – | – | – |")
+            continue
+        share = lambda part: "{:.3f} [{:.3f}, {:.3f}]".format(*(d[f"decomp/share/{part}"][k] for k in ("mean", "lo", "hi")))  # noqa: E731
+        m = d["decomp/median_abs_dd_over_d"]
+        out.append(f"| {r} | {d['decomp/tokens']} | {share('own')} | {share('rest')} | {share('memory')} | "
+                   f"{share('remainder')} | {m['value']:.3g} [{m['lo']:.3g}, {m['hi']:.3g}] |")
+    out += ["", "## Unsafe-keep across step sizes (disagreement tokens each rule kept; the controls over outside tokens)", "",
+            "| × the run's step | median \\|ΔD\\|/D | " + " | ".join(rules) + " | kept by all | momentum only |",
+            "| --- | --- | " + " | ".join("---" for _ in rules) + " | --- | --- |"]
+    for row in sorted(doc["step_scales"].values(), key=lambda r: -r["lr_scale"]):
+        cells = [_rate({"rate": row[n]["rate"], "lo": row[n]["lo"], "hi": row[n]["hi"], "n": row[n]["n"]})
+                 for n in [*rules, "kept_by_all", "momentum_only"]]
+        out.append(f"| {row['lr_scale']:g} | {row['median_abs_dd_over_d']:.3g} | " + " | ".join(cells) + " |")
+    out += ["", "A direction test can matter only where the median |ΔD|/D is well below 1 (first order); above "
+            "it the step overshoots whatever the mask. The median |ΔD|/D of several steps is the median of "
+            "their medians.", ""]
+    return "\n".join(out)
+
+
+def write_mechanism(run_dirs: list[Path], out: Path) -> dict:
+    """Read the runs' audit lines (seeds of one setting), write the three files, return the doc."""
+    import json
+
+    from pdm_lab.audit_live import json_safe
+
+    from pdm_lab.envs.report.step_sizes import step_size_figure
+    from pdm_lab.envs.transfer.compare import read_runs_lines
+
+    lines = read_runs_lines([Path(r) for r in run_dirs])
+    doc = mechanism_doc(lines, [Path(r).name for r in run_dirs])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mechanism.json").write_text(json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    (out / "mechanism.md").write_text(mechanism_markdown(doc), encoding="utf-8")
+    if doc["step_scales"]:
+        step_size_figure(step_records(doc), out / "mechanism_step_sizes.png", title=", ".join(doc["runs"]))
+    return doc
