@@ -61,7 +61,8 @@ def token_surrogate(logp_k: Tensor, mu_logp_k: Tensor, advantages: Tensor, keep:
 def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
                     response_mask: Tensor, cfg: MaskConfig, *, mu_full: Tensor | None = None,
                     pi_full: Tensor | None = None, compiled: bool | None = None,
-                    coupled: Tensor | None = None, dp: DPInfo | None = None) -> LossOutput:
+                    coupled: Tensor | None = None, kernel: Tensor | None = None,
+                    dp: DPInfo | None = None) -> LossOutput:
     """Masked, optionally capped, aggregated policy-gradient loss with its per-step metrics.
 
     Args:
@@ -74,13 +75,14 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         compiled: the compiled stats path (see ``token_stats``) and the surrogate, aggregation and
             metrics as one compiled graph; default from ``PDM_LAB_COMPILE``. Tested equal to eager.
         coupled: [N] c_t of SPEC §3b (``pdm_lab.coupled.coupled_scores``), for ``pdm_coupled``.
+        kernel: [N] c_t = ⟨Wᵀg, Wᵀv⟩ (``pdm_lab.kernel_direction.kernel_scores``), for ``pdm_kernel``.
         dp: this batch is a part (micro-batch, rank) of a larger one: the loss is this part's
             share of the whole batch's aggregate (``pdm_lab.aggregation``); the metric sums stay
             this part's own, to be merged (``merge_metrics``, ``all_reduce_metrics``).
     """
     check_tensor("advantages", advantages, ndim=2, floating=True)
     check_same(("advantages", "response_mask"), advantages, response_mask)
-    check_loss_inputs(support, response_mask, cfg, coupled)
+    check_loss_inputs(support, response_mask, cfg, coupled, kernel)
     n_tokens = advantages.numel()
     if support.ids.shape[0] != n_tokens:
         raise PDMInputError(f"support has {support.ids.shape[0]} rows but advantages {tuple(advantages.shape)} "
@@ -89,6 +91,8 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
                         binary=get_mask_rule(cfg.rule).binary_stats)
     if coupled is not None:
         stats = dataclasses.replace(stats, coupled=coupled.detach().reshape(-1).to(stats.ratio.dtype))
+    if kernel is not None:
+        stats = dataclasses.replace(stats, kernel=kernel.detach().reshape(-1).to(stats.ratio.dtype))
     compile_tail = (compile_default() if compiled is None else compiled) and n_tokens > 0
     with one_thread(stats.ratio.device):  # [N] vectors: see compiled.one_thread
         adv = advantages.reshape(-1).to(stats.ratio.dtype)

@@ -9,18 +9,21 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError, check_not_nan, check_tensor, check_zero_one, first_position
+from .errors import PDMInputError, check_not_nan, check_tensor, check_zero_one, first_position, raise_at
 from .support import Support
 
 
-def check_loss_inputs(support: Support, response_mask: Tensor, cfg: Any, coupled: Tensor | None) -> None:
-    """The response mask is 0/1, the mask config's K is the support's, c_t has no NaN.
+def check_loss_inputs(support: Support, response_mask: Tensor, cfg: Any, coupled: Tensor | None,
+                      kernel: Tensor | None = None) -> None:
+    """The response mask is 0/1, the mask config's K is the support's, c_t has no NaN, the kernel
+    term is finite.
 
     Args:
         support: μ's support; ``support.top_k`` None (ready slots) skips the K check.
         response_mask: [B, T] bool or 0/1 numbers.
         cfg: the mask config (``MaskConfig``: its ``k``).
         coupled: [N] c_t (SPEC §3b), or None.
+        kernel: [N] c_t = ⟨Wᵀg, Wᵀv⟩ (``pdm_lab.kernel_direction``, rule ``pdm_kernel``), or None.
     """
     check_zero_one("response_mask", response_mask)
     if support.top_k is not None and support.top_k != cfg.k:
@@ -32,6 +35,13 @@ def check_loss_inputs(support: Support, response_mask: Tensor, cfg: Any, coupled
             raise PDMInputError(f"coupled has shape {tuple(coupled.shape)} but the support has "
                                 f"{support.ids.shape[0]} rows (one c_t per token)")
         check_not_nan("coupled", coupled.detach().reshape(-1))
+    if kernel is not None:
+        check_tensor("kernel", kernel, floating=True)
+        if kernel.numel() != support.ids.shape[0]:
+            raise PDMInputError(f"kernel has shape {tuple(kernel.shape)} but the support has "
+                                f"{support.ids.shape[0]} rows (one c_t per token)")
+        flat = kernel.detach().reshape(-1)
+        raise_at("kernel", ~torch.isfinite(flat), "non-finite kernel term", flat)
 
 
 def check_loss_finite(loss: Tensor, per_token: Tensor, advantages: Tensor, log_ratio: Tensor) -> None:

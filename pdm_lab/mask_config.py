@@ -57,6 +57,11 @@ class MaskConfig:
     """Sequence rules: drop a response if any token has r below this (verl's veto; None: off)."""
     opsm_delta: Annotated[float, non_negative] = 1e-4
     """``opsm``: drop an Â<0 response whose mean log μ_k − log π_k exceeds this (slime: 1e-4)."""
+    kernel_ratio: Annotated[float, non_negative] = 1.0
+    """``pdm_kernel``: λ = b/a, the weight of the head-kernel term c_t = ⟨Wᵀg, Wᵀv⟩ beside Ḋ_topk
+    (drop D > δ ∧ Â·(Ḋ_topk + λ·c_t) > 0; 0 gives ``pdm_topk``'s drops). Take it from a run's
+    own-update probe: the median b/a of ``probe/kernel_fit`` (``pdm-lab mechanism``); 1.0 is a
+    placeholder, not a fitted value."""
 
     def __post_init__(self) -> None:
         one_of("mask.rule", self.rule, MASK_RULES)

@@ -32,7 +32,7 @@ from .rule_record import DIVERGENCES, FIELDS, check_declaration, check_level, re
 from .stats import TokenStats
 
 __all__ = ["DIVERGENCES", "DropFn", "MASK_RULES", "MaskRule", "RuleProbe", "RuleRecordError", "compute_mask",
-           "get_mask_rule", "outside_region", "pdm_rule", "predictive_outward", "ratio_outward", "register_mask"]
+           "get_mask_rule", "kernel_outward", "outside_region", "pdm_rule", "predictive_outward", "ratio_outward", "register_mask"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ class MaskRule:
     level: str = "token"
     """``token`` or ``sequence`` (drops whole responses; sees the [B, T] layout)."""
     needs: tuple[str, ...] = ()
-    """inputs beyond token stats: ``full`` (full distributions), ``coupled`` (c_t from the model)."""
+    """inputs beyond token stats: ``full`` (full distributions), ``coupled`` (c_t from the model),
+    ``kernel`` (c_t = ⟨Wᵀg, Wᵀv⟩ from the unembedding W)."""
     binary_stats: bool = False
     """reads ``stats.binary_kl`` / ``binary_tv``: ``pdm_policy_loss`` computes them only then."""
     doc: str = ""
@@ -240,6 +241,16 @@ def mask_pdm_topk(stats, advantages, cfg):
     return pdm_drop(stats, advantages, cfg, "topk")
 
 
+def kernel_outward(stats: TokenStats, advantages: Tensor, kernel_ratio: float) -> Tensor:
+    """The kernel-aware direction test Â·(Ḋ_topk + λ·c_t) > 0, c_t = ⟨Wᵀg, Wᵀv⟩ from
+    ``stats.kernel`` (``pdm_lab.kernel_direction``), λ = ``kernel_ratio`` (SPEC §6d)."""
+    if stats.kernel is None:
+        raise PDMInputError("pdm_kernel: these stats lack c_t = ⟨Wᵀg, Wᵀv⟩; the stage computes it with "
+                            "pdm_lab.kernel_direction.kernel_scores and passes pdm_policy_loss(kernel=c)")
+    check_same(("stats.kernel", "advantages"), stats.kernel, advantages)
+    return (advantages != 0) & (advantages * (stats.ddot["topk"] + kernel_ratio * stats.kernel) > 0)
+
+
 def pdm_rule(estimator: str) -> DropFn:
     """PDM's drop function for a Ḋ ``estimator`` added with ``register_ddot_estimator``; register it
     as ``register_mask("pdm_<name>", like="pdm_topk", estimator="<name>")(pdm_rule("<name>"))``."""
@@ -264,3 +275,12 @@ def mask_pdm_coupled(stats, advantages, cfg):
                             "pdm_lab.coupled.coupled_scores and passes pdm_policy_loss(coupled=c)")
     check_same(("stats.coupled", "advantages"), stats.coupled, advantages)
     return outside_region(stats.topk_kl, advantages, cfg) & (advantages != 0) & (stats.coupled > 0)
+
+
+@register_mask("pdm_kernel", divergence="topk_kl", estimator="topk", support="topk", uses_delta=True, uses_k=True,
+               needs=("kernel",))
+def mask_pdm_kernel(stats, advantages, cfg):
+    """PDM kernel-aware (SPEC §6d): drop D > δ ∧ Â ≠ 0 ∧ Â·(Ḋ_topk + λ·c_t) > 0, c_t = ⟨Wᵀg_t, Wᵀv_t⟩
+    (W the unembedding, g = ∇_z D, v = e_k − π; the head's part W Wᵀ of the network's logit
+    kernel), λ = ``cfg.kernel_ratio``; c from ``pdm_lab.kernel_direction``."""
+    return outside_region(stats.topk_kl, advantages, cfg) & kernel_outward(stats, advantages, cfg.kernel_ratio)

@@ -32,7 +32,8 @@ from .audit import mean_ci, median_ci, paired_rate_diff_ci, wilson_ci
 from .coupled import differentiable_topk_kl
 from .divergence import full_kl
 from .errors import PDMInputError, check_same, check_tensor
-from .masks import MaskRule, get_mask_rule, predictive_outward, ratio_outward
+from .kernel_direction import kernel_scores, own_direction
+from .masks import MaskRule, get_mask_rule, kernel_outward, predictive_outward, ratio_outward
 from .policy_side import PolicyOnSupport, policy_on_support
 from .probe_kernel import FunctionalKernel, LogitKernel
 from .stats import token_stats
@@ -52,12 +53,6 @@ def support_in_float64(support: Support) -> Support:
     re-check a float32 head mass of 1 + 1e-8 against float64 rounding and refuse it."""
     return dataclasses.replace(support, mu_logp=support.mu_logp.double(), mu_tail_logp=support.mu_tail_logp.double(),
                                mu_kth_logp=support.mu_kth_logp.double())
-
-
-def own_direction(logits: Tensor, sampled: Tensor) -> Tensor:
-    """v = e_k − softmax(z) [M, V] float64: the logit gradient of log π_k (SPEC §3)."""
-    v = -torch.softmax(logits.detach().double(), dim=-1)
-    return v.scatter_add(1, sampled.long()[:, None], torch.ones_like(v[:, :1]))
 
 
 def fit_kernel_ab(kv: Tensor, v: Tensor, unembedding: Tensor) -> tuple[float, float]:
@@ -82,7 +77,10 @@ def direction_rules(rules: Sequence[str]) -> list[MaskRule]:
     return out
 
 
-def _outward(rule: MaskRule, stats, adv: Tensor) -> Tensor | None:
+def _outward(rule: MaskRule, stats, adv: Tensor, cfg: Any = None) -> Tensor | None:
+    if "kernel" in rule.needs:  # pdm_kernel: Â·(Ḋ_topk + λ·c_t), with W given and λ from the mask config
+        ratio = getattr(cfg, "kernel_ratio", None)
+        return None if stats.kernel is None or ratio is None else kernel_outward(stats, adv, ratio)
     if rule.estimator is None:
         return ratio_outward(stats, adv)
     return predictive_outward(stats, adv, rule.estimator) if rule.estimator in stats.ddot else None
@@ -110,7 +108,8 @@ def own_update_probe(support: Support, logits: Tensor, kv: dict[str, Tensor], ad
         kv: ``"K"`` [M, V] K v; optionally ``"JPJ"`` (J P Jᵀ v) and ``"head"`` (the output layer's part).
         advantages, ratio: [M] Â and r (r > 0 scales ΔD_own, never its sign).
         rules: the compared rules (those predicting a direction are scored: ``direction_rules``).
-        cfg: unused by the scores (kept for the stages' call shape).
+        cfg: the mask config: ``pdm_kernel`` is scored with its λ (``kernel_ratio``) when it and
+            ``unembedding`` are given; the other rules' scores do not read it.
         disagreement: [M] bool, the compared rules' decisions differ on the token.
         mu_full_logp: [M, V] μ's full log-probabilities (toys): adds the full KL.
         unembedding: W [V, d] for the kernel-aware test; kernel_fit: (a, b), else fitted here on
@@ -133,6 +132,9 @@ def own_update_probe(support: Support, logits: Tensor, kv: dict[str, Tensor], ad
     logp_full = torch.log_softmax(logits.detach().double(), -1)
     stats = token_stats(support, pi, mu_full=None if mu_full_logp is None else mu_full_logp.double(),
                         pi_full=None if mu_full_logp is None else logp_full)
+    if unembedding is not None and any("kernel" in rule.needs for rule in direction_rules(rules)):
+        # pdm_kernel's c_t = ⟨Wᵀg, Wᵀv⟩ (kernel_direction), for its predicted sign
+        stats = dataclasses.replace(stats, kernel=kernel_scores(logits, unembedding, support))
     v = own_direction(logits, support.sampled)
     k = kv["K"].double()
     data: dict[str, Any] = {"disagreement": disagreement.bool().tolist(), "grows": {}, "grows_precond": {},
@@ -142,7 +144,7 @@ def own_update_probe(support: Support, logits: Tensor, kv: dict[str, Tensor], ad
         if "JPJ" in kv:
             data["grows_precond"][name] = (adv * r * (g * kv["JPJ"].double()).sum(-1) > 0).tolist()
     for rule in direction_rules(rules):
-        out = _outward(rule, stats, adv)
+        out = _outward(rule, stats, adv, cfg)
         if out is not None:
             data["outward"][rule.name] = out.tolist()
     if unembedding is not None and k.shape[0]:

@@ -3,8 +3,8 @@ varied set of real batches, so that its declared record can be checked (``pdm_la
 
 The probe set is the product of
 
-* real ``TokenStats`` (float64, ``token_stats`` with full distributions, binary divergences and
-  a c_t) of one eight-token batch (B = 2 responses × T = 4, the second one token shorter) under
+* real ``TokenStats`` (float64, ``token_stats`` with full distributions, binary divergences, a
+  coupled c_t and a kernel term) of one eight-token batch (B = 2 responses × T = 4, the second one token shorter) under
   K ∈ {1, 3} × both conventions (``union``, ``kslot``) × three policies (every r > 1, every
   r < 1, mixed with one r = 1 token). The batch has ties in μ that K splits (rows 0, 3), sampled
   tokens outside μ's top-K, μ with cut tokens (log μ = −inf, so K = 3 reaches a −inf slot), and
@@ -76,6 +76,8 @@ ADVANTAGES = {
     "per response": (1.0,) * 4 + (-1.0,) * 4,
 }
 _COUPLED = (0.2, -0.1, 0.3, 0.0, -0.4, 0.1, 0.5, -0.2)
+#: c_t = ⟨Wᵀg, Wᵀv⟩ (``pdm_kernel``): both signs, a zero, magnitudes beside and beyond Ḋ's
+_KERNEL = (-0.3, 0.05, 0.0, 0.4, -0.02, -1.0, 0.2, 0.6)
 
 #: A value for every ``MaskConfig`` field (tests hold the key set equal to MaskConfig's); ``k``
 #: and ``convention`` are the probe's own per call.
@@ -83,13 +85,13 @@ PROBE_CONFIG = {
     "rule": "probe", "delta": 0.05, "delta_neg": None, "k": 2, "convention": "union", "estimator": None,
     "eps_low": 0.2, "eps_high": 0.28, "icepop_low": 0.5, "icepop_high": 2.0, "clip_ratio_c": 2.0,
     "aggregation": "token-mean", "horizon": 3, "dual_clip_c": 3.0, "seq_agg": "mean",
-    "band_low": -0.02, "band_high": 0.02, "veto_floor": 0.5, "opsm_delta": 1e-4,
+    "band_low": -0.02, "band_high": 0.02, "veto_floor": 0.5, "opsm_delta": 1e-4, "kernel_ratio": 1.0,
 }
 _UNSET = {"delta_neg": None, "clip_ratio_c": None, "horizon": None, "band_low": None, "veto_floor": None}
 CONFIGS = (
     {**PROBE_CONFIG, **_UNSET, "delta": 0.0, "seq_agg": "mean"},
-    {**PROBE_CONFIG, "delta": 1e-3, "delta_neg": 0.05, "band_high": 0.1, "seq_agg": "max"},
-    {**PROBE_CONFIG, "delta": 0.05, "band_high": 0.2, "seq_agg": "sum"},
+    {**PROBE_CONFIG, "delta": 1e-3, "delta_neg": 0.05, "band_high": 0.1, "seq_agg": "max", "kernel_ratio": 0.0},
+    {**PROBE_CONFIG, "delta": 0.05, "band_high": 0.2, "seq_agg": "sum", "kernel_ratio": 10.0},
     {**PROBE_CONFIG, **_UNSET, "delta": 10.0, "delta_neg": 1e-3, "band_high": None, "seq_agg": "mean"},
 )
 #: ``MaskConfig`` fields that are δ, and those that are K or the convention.
@@ -180,7 +182,8 @@ def probe_stats() -> dict[tuple[int, str, str], TokenStats]:
                     pi = policy_on_support(logits, support.ids)
                     stats = token_stats(support, pi, mu_full=mu, pi_full=pi_full, compiled=False)
                     out[k, convention, policy] = dataclasses.replace(
-                        stats, coupled=torch.tensor(_COUPLED, dtype=torch.float64))
+                        stats, coupled=torch.tensor(_COUPLED, dtype=torch.float64),
+                        kernel=torch.tensor(_KERNEL, dtype=torch.float64))
         _STATS_CACHE.clear()
         _STATS_CACHE[key] = out
     return _STATS_CACHE[key]

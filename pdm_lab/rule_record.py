@@ -14,7 +14,8 @@ field                 what it says                                              
 ``uses_delta``        reads δ (δ_neg): a sweep over δ means something                reads
 ``uses_k``            its drops change with K or the convention (the sweep's axes)   drops, reads
 ``level``             ``token``, or ``sequence`` (takes the [B, T] response mask)    signature
-``needs``             inputs beyond token stats: ``full``, ``coupled`` (the model)   reads
+``needs``             inputs beyond token stats: ``full``, ``coupled`` (the model),  reads
+                      ``kernel`` (the unembedding W, SPEC §6d)
 ``binary_stats``      reads DPPO's binary divergences (default: the divergence is    reads
                       one): the loss computes them only then
 ====================  ============================================================  ==========
@@ -34,7 +35,7 @@ BINARY_DIVERGENCES = ("binary_kl", "binary_tv")
 #: estimator's too but ``exact`` (Ḋ_exact is the full Ḋ, whatever S is).
 SUPPORT_FIELDS = ("topk_kl", "topk_tv", "mu_tail", "pi_tail", "ddot_lower", "ddot_upper")
 SUPPORTS = ("topk", "slot")
-NEEDS = ("full", "coupled")
+NEEDS = ("full", "coupled", "kernel")
 #: The record's fields in the order they are checked, and what leaving one out declares.
 DEFAULTS: dict[str, Any] = {"divergence": None, "estimator": None, "support": "slot", "uses_delta": False,
                             "uses_k": False, "level": "token", "needs": (), "binary_stats": None}
@@ -76,7 +77,8 @@ def observed_facts(name: str, seen: Observation) -> dict[str, Any]:
     if len(estimators) > 1:
         raise RuleRecordError(f"rule {name!r}: estimator: it reads Ḋ of the estimators {', '.join(estimators)}, "
                               "but a record names the one estimator whose sign decides the direction")
-    needs = tuple(need for need, fields in (("full", {"full_kl", "ddot[exact]"}), ("coupled", {"coupled"}))
+    needs = tuple(need for need, fields in (("full", {"full_kl", "ddot[exact]"}), ("coupled", {"coupled"}),
+                                            ("kernel", {"kernel"}))
                   if reads & fields)
     topk = bool(reads & set(SUPPORT_FIELDS)) or any(e != "exact" for e in estimators)
     return {

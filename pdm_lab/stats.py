@@ -20,8 +20,8 @@ from .support import Support
 class TokenStats:
     """All [N]. ``ddot`` maps estimator name → Ḋ (``exact`` only when full distributions were given);
     ``full_kl`` is None without them; ``binary_kl`` and ``binary_tv`` (DPPO's divergences on the
-    sampled token) are None where ``token_stats(binary=False)`` skipped them; ``coupled`` is None
-    unless the stage supplied c_t."""
+    sampled token) are None where ``token_stats(binary=False)`` skipped them; ``coupled`` and
+    ``kernel`` are None unless the stage supplied them."""
 
     topk_kl: Tensor
     topk_tv: Tensor
@@ -37,6 +37,9 @@ class TokenStats:
     ddot_upper: Tensor
     coupled: Tensor | None = None
     """c_t of SPEC §3b (``pdm_lab.coupled``), supplied by the stage for ``pdm_coupled``; else None."""
+    kernel: Tensor | None = None
+    """c_t = ⟨Wᵀg, Wᵀv⟩ of SPEC §6d's head kernel (``pdm_lab.kernel_direction``), supplied by the stage
+    for ``pdm_kernel``; else None."""
 
 
 def _token_stats_math(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor,

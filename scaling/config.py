@@ -437,6 +437,9 @@ class TrainConfig:
         from pdm_lab.runtime.outputs import check_name
 
         check_name(self.name, "name")  # runs/<name> stays inside runs/
+        if "kernel" in self.mask.rule_record.needs:  # pdm_kernel: c_t = ⟨Wᵀg, Wᵀv⟩ is not computed here
+            raise ConfigError(f"mask.rule: {self.mask.rule!r} needs c_t = ⟨Wᵀg, Wᵀv⟩ from the trainer's unembedding, "
+                              "which the loop does not supply yet (scaling/train_step.py); use it in the toys")
         samples = self.rollout.prompts_per_step * self.rollout.group_size
         if self.trainer.mini_batches > samples:  # an empty mini-batch is no optimiser step
             raise ConfigError(f"trainer.mini_batches: {self.trainer.mini_batches} exceeds the samples per step "

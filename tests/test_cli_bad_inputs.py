@@ -40,6 +40,8 @@ TABLE = [
     ("plugin-missing", ["train", "--config", "{tiny}", "plugins=[no_such_plugin_xyz]"], E, "no_such_plugin_xyz"),
     # train: overrides and the dry run
     ("delta-1e-5-works", [*_DRY, "mask.delta=1e-5"], OK, ""),
+    ("kernel-rule-not-in-the-loop", [*_DRY, "mask.rule=pdm_kernel"], E, "the loop does not supply yet"),
+    ("kernel-ratio-negative", [*_DRY, "mask.kernel_ratio=-1"], E, "mask.kernel_ratio"),
     ("lr-1E-4-works", [*_DRY, "trainer.lr=1E-4"], OK, ""),
     ("delta-negative-scientific", [*_DRY, "mask.delta=-2.5e+3"], E, "mask.delta"),
     ("delta-nan", ["train", "--config", "{tiny}", "mask.delta=.nan"], E, "mask.delta"),
@@ -77,6 +79,8 @@ TABLE = [
                        "data.eval_files=[]", "run_dir={tmp}/run"], E, "empty.jsonl"),
     # sweep
     ("sweep-rules-empty", ["sweep", "rules=[]", "--out", "{tmp}/s"], E, "rules"),
+    ("sweep-kernel-rule-tabular", ["sweep", "rules=[pdm_topk,pdm_kernel]", "base.policy=tabular", "--out",
+                                   "{tmp}/s"], E, "pdm_kernel"),
     ("sweep-deltas-empty", ["sweep", "deltas=[]", "--out", "{tmp}/s"], E, "deltas"),
     ("sweep-ks-empty", ["sweep", "ks=[]", "--out", "{tmp}/s"], E, "ks"),
     ("sweep-mismatches-empty", ["sweep", "mismatches=[]", "--out", "{tmp}/s"], E, "mismatches"),

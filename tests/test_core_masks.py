@@ -113,6 +113,7 @@ RECORDS = {
     "pdm_uniform": ("topk_kl", "uniform", "topk", True, True, "token", (), False),
     "pdm_topk": ("topk_kl", "topk", "topk", True, True, "token", (), False),
     "pdm_coupled": ("topk_kl", None, "topk", True, True, "token", ("coupled",), False),
+    "pdm_kernel": ("topk_kl", "topk", "topk", True, True, "token", ("kernel",), False),
     **{f"seq_{s}": (None, None, "slot", False, False, "sequence", (), False) for s in ("k1", "k2", "k3", "geo_mean")},
     "seq_topk_kl": ("topk_kl", None, "topk", False, True, "sequence", (), False),
     "opsm": (None, None, "slot", False, False, "sequence", (), False),

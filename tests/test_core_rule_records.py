@@ -71,6 +71,10 @@ def _reads_coupled(stats, advantages, cfg):
     return (stats.topk_kl > cfg.delta) & (advantages != 0) & (stats.coupled > 0)
 
 
+def _reads_kernel(stats, advantages, cfg):
+    return (stats.topk_kl > cfg.delta) & (advantages * (stats.ddot["topk"] + cfg.kernel_ratio * stats.kernel) > 0)
+
+
 def _binary_tv(stats, advantages, cfg):
     return (stats.binary_tv > cfg.delta) & (advantages * stats.log_ratio > 0)
 
@@ -112,6 +116,8 @@ PLANTED = {
     "token rule declared sequence": (_ratio_with_delta, {"uses_delta": True, "level": "sequence"}, "level"),
     # the other fields
     "needs the model, declared not": (_reads_coupled, {**PDM, "estimator": None}, "needs"),
+    "needs the unembedding, declared not": (_reads_kernel, PDM, "needs"),
+    "needs the unembedding, declared the model": (_reads_kernel, {**PDM, "needs": ("coupled",)}, "needs"),
     "binary divergence, declared not read": (_binary_tv, {"divergence": "binary_tv", "uses_delta": True,
                                                           "binary_stats": False}, "binary_stats"),
     "wrong divergence": (_topk_tv, {**PDM, "estimator": None, "divergence": "topk_kl"}, "divergence"),
@@ -146,6 +152,7 @@ def test_a_planted_misdeclared_rule_is_refused_naming_the_field(registry, lie):
     (_tail_only_under_kslot, {"support": "topk", "uses_k": True}),
     (_sequence, {"level": "sequence"}),
     (_reads_coupled, {**PDM, "estimator": None, "needs": ("coupled",)}),
+    (_reads_kernel, {**PDM, "needs": ("kernel",)}),
     (_binary_tv, {"divergence": "binary_tv", "uses_delta": True}),
     (_tail_guard_only, {"support": "topk"}),
     (_full_kl, {"uses_delta": True, "needs": ("full",)}),

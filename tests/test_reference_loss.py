@@ -89,6 +89,6 @@ def test_the_comparison_catches_a_wrong_estimator_a_wrong_convention_and_a_wrong
 
 def test_the_reference_refuses_a_rule_it_does_not_cover_by_its_record():
     batch = call_site_batch(seed=1)
-    for rule in ("pdm_exact", "pdm_coupled", "seq_geo_mean", "token_k1"):
+    for rule in ("pdm_exact", "pdm_coupled", "pdm_kernel", "seq_geo_mean", "token_k1"):
         with pytest.raises(PDMInputError, match=f"rule '{rule}' is not covered"):
             _reference(batch, MaskConfig(rule=rule, k=batch.k))

@@ -121,6 +121,10 @@ class AuditConfig:
         if not self.audit_at or any(s < 0 for s in self.audit_at) or list(self.audit_at) != sorted(set(self.audit_at)):
             raise ConfigError(f"audit_at: training steps ≥ 0 in increasing order, got {list(self.audit_at)}")
         one_of("policy", self.policy, POLICY_KINDS)
+        kernel_rules = [r for r in self.all_rules if "kernel" in self.mask(r).rule_record.needs]
+        if kernel_rules and self.policy == "tabular":  # pdm_kernel's c_t needs the unembedding W
+            raise ConfigError(f"rules: {kernel_rules[0]!r} needs the policy's unembedding W, which policy: tabular "
+                              "has none of; use policy neural or transformer")
         if self.context_features and self.policy == "neural" and self.problem.kind != "token_mdp":
             raise ConfigError(f"context_features: {self.context_features} hashed n-grams of a token MDP's text are "
                               f"part of the neural policy's input; problem.kind {self.problem.kind!r} has no text "

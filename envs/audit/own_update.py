@@ -122,7 +122,8 @@ def probe_and_decompose(cfg: AuditConfig, model: nn.Module, tokens: TokenBatch, 
     adv = sub.advantages.reshape(-1).double()
     probe = probe_with_kernel(kernel, torch.arange(rows.numel()), support, logits, adv, ratio,
                               precondition=pre is not None, rules=list(cfg.all_rules),
-                              disagreement=disagree[rows], mu_full_logp=sub.mu_full.double())
+                              disagreement=disagree[rows], mu_full_logp=sub.mu_full.double(),
+                              cfg=cfg.mask(cfg.rules[0]))  # pdm_kernel's λ (kernel_ratio)
     # w_t: how token t's surrogate enters the audited loss (``step.rule_steps``: token sum, or the
     # token mean for AdamW)
     weight = 1.0 / float(tokens.response_mask.sum()) if cfg.optimizer == "adamw" else 1.0

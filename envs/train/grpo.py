@@ -96,6 +96,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         one_of("optimizer", self.optimizer, OPTIMIZERS)
         one_of("policy", self.policy, POLICY_KINDS)
+        if "kernel" in self.mask.rule_record.needs and self.policy == "tabular":  # no unembedding W
+            raise ConfigError(f"mask.rule: {self.mask.rule!r} needs the policy's unembedding W, which policy: tabular "
+                              "has none of; use policy neural or transformer")
         if self.eval_sequences < 1:
             raise ConfigError(f"eval_sequences: must be ≥ 1, got {self.eval_sequences}")
         mismatch = Mismatch.parse(self.mismatch)  # validate early

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pdm_lab.config import ConfigError
+from pdm_lab.kernel_direction import kernel_scores
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.loss import LossOutput, pdm_policy_loss
 from pdm_lab.policy_side import policy_on_support
@@ -84,6 +86,18 @@ def token_batch(batch: RolloutBatch, advantages: Tensor, cfg: MaskConfig) -> Tok
                       advantages=adv.float(), response_mask=batch.response_mask)
 
 
+def policy_unembedding(policy, rule: str = "pdm_kernel") -> Tensor:
+    """W [n, d] of a toy policy whose logits are h Wᵀ + b: the transformer's ``unembedding()``, the
+    neural policy's output layer ``w2`` [d, n] transposed. A tabular policy has none: its logits
+    are the parameters (K = I, where ``pdm_topk`` is already the exact rule)."""
+    if hasattr(policy, "unembedding"):
+        return policy.unembedding().detach()
+    if isinstance(getattr(policy, "w2", None), Tensor):
+        return policy.w2.detach().T
+    raise ConfigError(f"mask.rule: {rule!r} needs the policy's unembedding W, which the {type(policy).__name__} "
+                      "has none of (policy: tabular); use policy neural or transformer")
+
+
 def needs_full(cfg: MaskConfig) -> bool:
     """True if the rule or the direction metric uses the ``exact`` Ḋ (full distributions)."""
     return "full" in cfg.rule_record.needs or cfg.direction_estimator == "exact"
@@ -96,19 +110,24 @@ def masked_loss(policy, tokens: TokenBatch, cfg: MaskConfig, *, full: bool | Non
     ``full`` passes both full distributions to the core (``exact`` Ḋ, full-KL metrics); by
     default only when the rule needs them, since they cost two extra [N, n] passes. A rule that
     needs ``coupled`` (``pdm_coupled``) gets c_t from ``envs/train/coupled_jvp.py``, preconditioned by
-    ``optimizer``'s state (None: the identity).
+    ``optimizer``'s state (None: the identity). A rule that needs ``kernel`` (``pdm_kernel``) gets
+    c_t = ⟨Wᵀg, Wᵀv⟩ from the policy's unembedding (``policy_unembedding``) and the core's
+    ``kernel_scores``.
     """
-    coupled = None
+    coupled = kernel = None
     if "coupled" in cfg.rule_record.needs:
         from pdm_lab.envs.train.coupled_jvp import toy_coupled_scores  # SPEC §3b: u by backward, g by JVP
         coupled = toy_coupled_scores(policy, tokens, cfg, optimizer).c
     logits = policy(tokens.obs)
+    if "kernel" in cfg.rule_record.needs:  # SPEC §6d: the head kernel's term, from W and π
+        kernel = kernel_scores(logits.detach(), policy_unembedding(policy, cfg.rule), tokens.support)
     pi = policy_on_support(logits, tokens.support.ids)
     if full is None:
         full = needs_full(cfg)
     pi_full = torch.log_softmax(logits.detach(), dim=-1) if full else None
     return pdm_policy_loss(pi, tokens.support, tokens.advantages, tokens.response_mask, cfg,
-                           mu_full=tokens.mu_full if full else None, pi_full=pi_full, coupled=coupled)
+                           mu_full=tokens.mu_full if full else None, pi_full=pi_full, coupled=coupled,
+                           kernel=kernel)
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ def _reward(completions, **kwargs):
 NON_DEFAULT = dict(delta=0.01, delta_neg=0.02, k=6, convention="kslot", estimator="uniform", eps_low=0.1,
                    eps_high=0.3, icepop_low=0.9, icepop_high=1.05, clip_ratio_c=1.5,
                    aggregation="seq-mean-token-sum-norm", horizon=10, dual_clip_c=2.5, seq_agg="max",
-                   band_low=-1e-4, band_high=1e-4, veto_floor=0.5, opsm_delta=2e-4)
+                   band_low=-1e-4, band_high=1e-4, veto_floor=0.5, opsm_delta=2e-4, kernel_ratio=2.0)
 RULES = ("pdm_agg", "dppo_topk_tv", "ppo_clip_dual", "icepop", "seq_topk_kl", "opsm", "token_k3")
 
 

@@ -27,7 +27,7 @@ from test_verl_call_site import _verl_batch
 NON_DEFAULT = dict(delta=0.01, delta_neg=0.02, k=4, convention="kslot", estimator="uniform", eps_low=0.1,
                    eps_high=0.3, icepop_low=0.9, icepop_high=1.05, clip_ratio_c=1.5,
                    aggregation="seq-mean-token-sum-norm", horizon=10, dual_clip_c=2.5, seq_agg="max",
-                   band_low=-0.3, band_high=0.3, veto_floor=0.05, opsm_delta=2e-4)
+                   band_low=-0.3, band_high=0.3, veto_floor=0.05, opsm_delta=2e-4, kernel_ratio=2.0)
 SAMPLING = SamplingMask(top_k=30, top_p=0.9, min_p=0.01)
 
 
