@@ -132,7 +132,12 @@ def mechanism_main(args: argparse.Namespace) -> int:
 
     if args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out} is a file; give a folder")
+    from pdm_lab.envs.report.step_sizes import step_size_figure
+    from pdm_lab.envs.transfer.mechanism import step_records
+
     doc = write_mechanism(args.run_dir, args.out)
+    if doc["step_scales"]:
+        step_size_figure(step_records(doc), args.out / "mechanism_step_sizes.png", title=", ".join(doc["runs"]))
     print(mechanism_markdown(doc))
     print(f"written to {args.out / 'mechanism.json'}, {args.out / 'mechanism.md'}")
     return 0

@@ -120,12 +120,12 @@ def mechanism_markdown(doc: dict) -> str:
 
 
 def write_mechanism(run_dirs: list[Path], out: Path) -> dict:
-    """Read the runs' audit lines (seeds of one setting), write the three files, return the doc."""
+    """Read the runs' audit lines (seeds of one setting), write ``mechanism.json`` and
+    ``mechanism.md``, return the doc (the command draws the figure: ``envs.report`` sits above)."""
     import json
 
     from pdm_lab.audit_live import json_safe
 
-    from pdm_lab.envs.report.step_sizes import step_size_figure
     from pdm_lab.envs.transfer.compare import read_runs_lines
 
     lines = read_runs_lines([Path(r) for r in run_dirs])
@@ -133,6 +133,4 @@ def write_mechanism(run_dirs: list[Path], out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "mechanism.json").write_text(json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n", encoding="utf-8")
     (out / "mechanism.md").write_text(mechanism_markdown(doc), encoding="utf-8")
-    if doc["step_scales"]:
-        step_size_figure(step_records(doc), out / "mechanism_step_sizes.png", title=", ".join(doc["runs"]))
     return doc
