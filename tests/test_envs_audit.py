@@ -419,3 +419,14 @@ def test_context_features_on_a_bandit_is_a_config_error_naming_the_field():
     with pytest.raises(ConfigError, match="^context_features: .*bandit"):
         from_dict(AuditConfig, doc)
     from_dict(AuditConfig, dict(doc, context_features=0))
+
+
+def test_kernel_ratio_reaches_the_audited_rules_mask():
+    from pdm_lab.config import ConfigError
+
+    from pdm_lab.envs.audit.config import AuditConfig
+
+    cfg = AuditConfig(policy="neural", rules=("pdm_topk", "pdm_kernel"), kernel_ratio=2.5)
+    assert cfg.mask("pdm_kernel").kernel_ratio == 2.5 and cfg.mask("pdm_topk").kernel_ratio == 2.5
+    with pytest.raises(ConfigError, match="kernel_ratio"):
+        AuditConfig(policy="neural", kernel_ratio=-1.0)

@@ -52,6 +52,9 @@ class AuditConfig:
     """K (paper: 20), at most the problem's vocabulary n."""
     convention: str = "union"
     """support convention."""
+    kernel_ratio: Annotated[float, non_negative] = 1.0
+    """λ = b/a of ``pdm_kernel`` (``MaskConfig.kernel_ratio``): the weight of W Wᵀ beside I in its
+    kernel-aware direction test; a probe's ``probe/kernel_fit`` gives a model's b/a."""
     mismatch: str = "noise:1"
     """μ's mismatch (see ``mismatch``); the presets use a realistic setting (SPEC §6b)."""
     warmup_steps: Annotated[int, at_least(0)] = 0
@@ -147,7 +150,7 @@ class AuditConfig:
 
     def mask(self, rule: str, k: int | None = None) -> MaskConfig:
         return MaskConfig(rule=rule, delta=self.delta, k=self.k if k is None else k,
-                          convention=self.convention)
+                          convention=self.convention, kernel_ratio=self.kernel_ratio)
 
     @property
     def all_rules(self) -> tuple[str, ...]:
