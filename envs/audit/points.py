@@ -102,14 +102,14 @@ class TrainedPolicies:
         mismatch = Mismatch.parse(self.cfg.mismatch)
         for now in range(done, step + 1):
             if now in self.cfg.audit_at or now == step:  # every audit point on the way is kept
-                self._snapshot(run, now, policy, opt)
+                self._save_point(run, now, policy, opt)
             if now < step:
                 batch = self.problem.collect(policy, mismatch, plain.groups_per_step, plain.group_size, rng)
                 plain_step(plain, policy, opt, batch)
         self._runs[run] = (step, policy, opt, rng)
         return self.at(run, step)
 
-    def _snapshot(self, run: int, step: int, policy: nn.Module, opt) -> None:
+    def _save_point(self, run: int, step: int, policy: nn.Module, opt) -> None:
         state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
         memory = None
         if isinstance(opt, torch.optim.AdamW):  # per parameter (in order): step, exp_avg, exp_avg_sq
