@@ -302,8 +302,8 @@ def test_an_internal_error_s_traceback_goes_into_the_run_folder(tmp_path, monkey
 
 def test_no_tripwire_outlives_the_walk():
     """After the walk's patches are undone, no loaded pdm_lab module still holds a tripwire (a
-    name imported from a patched module while the patch was on would keep it: CI once failed two
-    later calibration tests that way)."""
+    name imported from a patched module while the patch was on would keep it, and every later
+    test calling that name would hit the tripwire)."""
     left = [f"{name}.{attr}" for name, module in list(sys.modules.items())
             if name.startswith("pdm_lab") and module is not None
             for attr, value in list(vars(module).items()) if value is _trip]

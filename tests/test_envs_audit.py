@@ -406,8 +406,8 @@ def test_paper_preset_has_the_papers_power_per_seed():
 
 
 def test_context_features_on_a_bandit_is_a_config_error_naming_the_field():
-    """The neural policy's hashed n-gram features read a token MDP's text; on a bandit they once
-    crashed with an AttributeError inside the first forward."""
+    """The neural policy's hashed n-gram features read a token MDP's text; a bandit has none, so
+    the config must refuse the pair before any forward runs."""
     from pdm_lab.config import ConfigError, from_dict, to_dict
 
     from pdm_lab.envs.audit.config import AuditConfig

@@ -1,4 +1,4 @@
-"""``pdm-lab promote --target verl`` carries the engine's sampling mask (issue 30): with a cut
+"""``pdm-lab promote --target verl`` carries the engine's sampling mask: with a cut
 (``rollout.top_p`` < 1 or ``top_k`` > 0) and ``rollout.keep_sampling_mask`` on (its default), the
 launch file passes the rollout's ``top_k``/``top_p`` to verl's rollout and, under the key verl's
 plugin loss reads (``policy_loss.sampling_mask``), the same cut the loop applies; off, or nothing

@@ -1,4 +1,4 @@
-"""Non-finite steps in the scaling loop (issue 31): a loss or gradient that goes NaN/inf is never
+"""Non-finite steps in the scaling loop: a loss or gradient that goes NaN/inf is never
 stepped on, is logged and summarised, and stops the run after ``trainer.max_nonfinite_steps``
 consecutive steps with exit status 3 and one line, never a traceback or exit 70.
 
