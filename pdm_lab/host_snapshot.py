@@ -24,6 +24,25 @@ def _host_copy(t: Tensor) -> Tensor:
     return _local(t).detach().to("cpu", copy=True)
 
 
+def _holds_its_data(t: Tensor) -> bool:
+    """Whether ``t``'s storage still covers every element it addresses. FSDP2 frees a gathered
+    parameter's storage on reshard (resized to 0 bytes) while the tensor keeps its shape; a copy
+    into it would write through freed memory (SIGSEGV)."""
+    if t.numel() == 0:
+        return True
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
+
+
+def _copy_into(live: Tensor, saved: Tensor, what: str) -> None:
+    target = _local(live)
+    if not _holds_its_data(target):
+        raise PDMInputError(f"{what}: its storage was freed since the snapshot (an FSDP module's gathered copy, "
+                            "not the shard the optimiser holds? take the snapshot on the shards); cannot restore "
+                            "in place")
+    target.copy_(saved)
+
+
 @dataclass
 class HostSnapshot:
     """What one optimiser step changes, on the host: take before the audit, restore after it."""
@@ -74,12 +93,12 @@ class HostSnapshot:
 @torch.no_grad()
 def restore_params(snap: HostSnapshot, params: list[Tensor]) -> None:
     """Parameters and gradients back from the snapshot (in place: shards keep their placement)."""
-    for p, saved, grad in zip(params, snap.params, snap.grads):
-        _local(p).copy_(saved)
+    for i, (p, saved, grad) in enumerate(zip(params, snap.params, snap.grads)):
+        _copy_into(p, saved, f"params[{i}]")
         if grad is None:
             p.grad = None
         elif p.grad is not None:
-            _local(p.grad).copy_(grad)
+            _copy_into(p.grad, grad, f"params[{i}].grad")
         elif hasattr(p, "to_local"):
             raise PDMInputError("params: a sharded gradient the snapshot holds was freed; cannot rebuild it")
         else:  # freed by a zero_grad(set_to_none=True) of the audited step
@@ -101,7 +120,7 @@ def restore_optimizer(snap: HostSnapshot, params: list[Tensor], optimizer: torch
         for key, value in saved.items():
             current = live.get(key)
             if torch.is_tensor(value) and torch.is_tensor(current) and _local(current).shape == value.shape:
-                _local(current).copy_(value)
+                _copy_into(current, value, f"optimizer state {key!r}")
             elif torch.is_tensor(value):
                 raise PDMInputError(f"optimizer state {key!r}: its tensor was replaced; cannot restore in place")
             else:

@@ -37,7 +37,7 @@ from pdm_lab.probe_record import token_weights
 from pdm_lab.stats import token_stats
 from pdm_lab.support import support_from_topk
 
-from .audit_probe import loop_probe_view, reshard  # noqa: F401  (reshard: the measurement frees FSDP's copy)
+from .audit_probe import loop_probe_view, reshard
 from .train_step import MicroBatch, make_micro_batch, update_policy
 
 BYTES_PER_PARAM = 12
@@ -93,6 +93,11 @@ class LoopAuditStage:
         self.policy, self.optimizer, self.batch, self.seq_adv = policy, optimizer, batch, seq_adv
         self.cfg, self.vocab_size, self.pad_id, self.lr, self.delta = cfg, vocab_size, pad_id, lr, delta
         self.device = device
+        # the shards the optimiser holds: a forward with no backward after it (the loop's sync
+        # check before step 1) leaves FSDP2's root gathered, and ``parameters()`` then yields the
+        # gathered copies, whose storage the next reshard frees (a snapshot restored into them
+        # writes through freed memory; their AdamW state is keyed by the shards)
+        reshard(policy)
         self.params = list(policy.parameters())
         self.micros = _micro_batches(batch, seq_adv, pad_id, cfg.trainer.micro_batch_size, device)
         resp = [mb.response_mask.reshape(-1) for mb in self.micros]

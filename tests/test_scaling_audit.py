@@ -1,14 +1,17 @@
 """The direction audit on the scaling loop's live batch (SPEC §6c, ``scaling/audit_step.py``).
 
-* on 2 FSDP2 ranks (gloo) with AdamW state from two real updates, the audit's steps leave the
-  parameters and the optimiser state bit-identical; a planted bug (restoring only the parameters)
-  is caught; untied fp32 and tied bf16-compute models;
+* on 2 FSDP2 ranks (gloo) with AdamW state from two real updates and a forward with no backward
+  after them (the root stays gathered), the audit's steps leave the parameters and the optimiser
+  state bit-identical; a planted bug (restoring only the parameters) is caught; untied fp32 and
+  tied bf16-compute models;
 * each rule's ΔD equals that of a fresh copy stepped alone with that rule (rules are independent:
   a snapshot restored between them), and a planted bug (the optimiser state leaking from one
   rule's step into the next) is caught; a fresh AdamW (no state yet) is fresh again afterwards;
 * ``pdm-lab train --config tiny-cpu.yaml audit.every=1`` (fp8 rollout, one rank) writes
   audit.jsonl with per-rule rates and logs ``time/audit_s``; δ = 1e-5, since the tiny model's fp8
-  mismatch stays far below the paper's δ (D ≈ 1e-4, max ~1e-3).
+  mismatch stays far below the paper's δ (D ≈ 1e-4, max ~1e-3);
+* the same at two ranks (FSDP2 + an engine per rank), two steps: it runs, and the snapshot holds
+  every shard's AdamW moments.
 """
 from __future__ import annotations
 
@@ -66,9 +69,12 @@ def _local(t):
 
 
 def _state_copy(policy, opt):
-    params = [_local(p).detach().clone() for p in policy.parameters()]
+    """The optimiser's own parameters (FSDP2: the shards; ``policy.parameters()`` yields the root's
+    gathered copies after a forward with no backward) and their state."""
+    held = [p for g in opt.param_groups for p in g["params"]]
+    params = [_local(p).detach().clone() for p in held]
     state = [{k: (_local(v).clone() if torch.is_tensor(v) else v) for k, v in opt.state.get(p, {}).items()}
-             for p in policy.parameters()]
+             for p in held]
     return params, state, [g["lr"] for g in opt.param_groups]
 
 
@@ -84,7 +90,7 @@ def _fsdp_worker(rank: int, world: int, store: str, tied: bool, param_dtype: str
     import torch.distributed as dist
 
     from pdm_lab import host_snapshot
-    from pdm_lab.scaling.policy_model import shard_policy
+    from pdm_lab.scaling.policy_model import sequence_logprobs, shard_policy
 
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -97,6 +103,9 @@ def _fsdp_worker(rank: int, world: int, store: str, tied: bool, param_dtype: str
         cfg = _cfg(param_dtype=param_dtype, probe_tokens=4, step_scales=(1.0, 0.1))
         for _ in range(2):  # AdamW state from two real updates (4 optimiser steps)
             train_step.update_policy(policy, opt, batch, ADV, cfg=cfg, vocab_size=VOCAB, pad_id=0, lr=1e-2)
+        # a forward with no backward after it, as the loop's weight-sync check runs before step 1:
+        # FSDP2's root stays gathered, and the audit must still snapshot and restore the shards
+        sequence_logprobs(policy, [2, 5, 7, 9, 3])
         ref = _state_copy(policy, opt)
         record = audit_step.audit_live_batch(policy, opt, batch, ADV, cfg=cfg, vocab_size=VOCAB, pad_id=0, lr=3e-2)
         ok = _identical(ref, _state_copy(policy, opt))
@@ -105,8 +114,34 @@ def _fsdp_worker(rank: int, world: int, store: str, tied: bool, param_dtype: str
         audit_step.audit_live_batch(policy, opt, batch, ADV, cfg=cfg, vocab_size=VOCAB, pad_id=0, lr=3e-2)
         planted = _identical(ref, _state_copy(policy, opt))
         queue.put((rank, ok, planted, record))
+    except BaseException as err:  # reported, not left for the parent's timeout
+        queue.put((rank, f"{type(err).__name__}: {err}", None, None))
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _results(procs, queue, timeout: float = 300.0) -> list:
+    """One result per process from ``queue``; fails at once when a process died without one (a
+    segfault) instead of waiting out ``timeout``."""
+    import queue as queue_mod
+    import time
+
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < len(procs):
+        try:
+            out.append(queue.get(timeout=1.0))
+            continue
+        except queue_mod.Empty:
+            pass
+        dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if dead and queue.empty():
+            time.sleep(1.0)  # a result put just before the exit
+            if queue.empty():
+                pytest.fail(f"a rank died without a result: exit codes {[p.exitcode for p in procs]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no result from every rank in {timeout:.0f}s")
+    return out
 
 
 @pytest.mark.parametrize("tied,param_dtype", [(False, "fp32"), (True, "bf16")])
@@ -119,10 +154,11 @@ def test_two_rank_fsdp2_audit_restores_parameters_and_adamw_state_bit_exactly(tm
              for r in range(2)]
     for p in procs:
         p.start()
-    results = sorted((queue.get(timeout=300) for _ in procs), key=lambda x: x[0])
+    results = sorted(_results(procs, queue), key=lambda x: x[0])
     for p in procs:
         p.join(timeout=60)
     for rank, ok, planted, record in results:
+        assert planted is not None, (rank, ok)  # the worker's exception
         assert ok == {"params": True, "state": True}, (rank, ok)
         assert planted == {"params": True, "state": False}, (rank, planted)  # the planted bug is caught
     record = results[0][3]
@@ -288,3 +324,34 @@ def test_train_with_audit_writes_audit_jsonl(tmp_path):
     md = (out / "mechanism.md").read_text()
     assert "## The own-update probe" in md and "## Unsafe-keep across step sizes" in md
     assert (out / "mechanism_step_sizes.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_rank_train_with_audit_runs_and_snapshots_every_shard(tmp_path):
+    """Two FSDP2 ranks with their vLLM engines and the audit on, two steps. The weight-sync check
+    before step 1 is a forward with no backward, which leaves FSDP2's root gathered: a snapshot of
+    ``policy.parameters()`` then held the gathered copies, and restoring it wrote into storage the
+    measurement's reshard had freed (SIGSEGV in a float32 ``copy_`` on both ranks before step 1),
+    while the root's AdamW state (keyed by the shards) was not snapshotted at all."""
+    run_dir = tmp_path / "run"
+    (tmp_path / "plugin.py").write_text("def parity(response, answer):\n    return float(len(response) % 2)\n")
+    cmd = [sys.executable, "-m", "pdm_lab", "train", "--config", str(REPO / "scaling" / "configs" / "tiny-cpu.yaml"),
+           "launch.nproc_per_node=2", "total_steps=2", "model.tiny.sft_steps=60", "rollout.prompts_per_step=4",
+           "rollout.group_size=4", "rollout.max_tokens=6", "rollout.precision=fp8", "rollout.fp8_block=32",
+           "trainer.mini_batches=1", "trainer.micro_batch_size=8", "eval.every=0", "checkpoint.every=0",
+           "log.tensorboard=false", "log.sync_check_every=0", "data.synthetic.n_train=400", "audit.every=1",
+           "audit.delta=1e-5", "audit.probe_tokens=8", "audit.step_scales=[1.0]", f"run_dir={run_dir}",
+           f"plugins=[{tmp_path / 'plugin.py'}]", "reward.verifier=pdm_lab_plugin_plugin:parity"]
+    env = dict(os.environ, PDM_LAB_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    lines = [json.loads(x) for x in (run_dir / "audit.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    for r in lines:
+        assert r["ranks"] == 2 and r["outside"] > 0 and r["probe"]["probe/tokens"] > 0
+    # step 1 (a fresh AdamW): the shards alone; step 2: the shards and both moments of every one of
+    # them (the root's embedding and norm included, whose state is keyed by their shards)
+    first, second = (r["host_snapshot_bytes"] for r in lines)
+    assert second >= 3 * first
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-2:] == [1, 2]
