@@ -16,8 +16,9 @@ dD = −Σ_{i∈S} μ_i d log π_i − μ_T d log π_T and d log π_T = Σ_{j∉
 
     g = π − μ̃,   μ̃_i = μ_i (i ∈ S),   μ̃_i = μ_T·π_i/π_T (i ∉ S):
 
-the tail's μ mass spread over the tail in π's proportions (tested against autograd of
-``coupled.differentiable_topk_kl``, the probe's ``divergence_grads``). The trainer holds W and π;
+the tail's μ mass spread over the tail in π's proportions. ``topk_kl_logit_grad`` takes g by autograd
+of the core's one differentiable D (``coupled.differentiable_topk_kl``), so the formula lives in one
+place; the closed form above is checked against it in float64 (tests). The trainer holds W and π;
 a stage computes c with ``kernel_scores`` and passes ``pdm_policy_loss(kernel=c)``, which puts it
 on ``TokenStats.kernel`` for the rule.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .coupled import differentiable_topk_kl
 from .errors import PDMInputError, check_tensor
 from .policy_side import policy_on_support
 from .support import Support
@@ -39,21 +41,13 @@ def own_direction(logits: Tensor, sampled: Tensor) -> Tensor:
     return v.scatter_add(1, sampled.long()[:, None], torch.ones_like(v[:, :1]))
 
 
-@torch.no_grad()
 def topk_kl_logit_grad(logits: Tensor, support: Support) -> Tensor:
-    """g = ∇_z D_topk = π − μ̃ [N, V] float64 (module docstring), at the processed logits ``logits``."""
-    z = logits.detach().double()
-    logp = torch.log_softmax(z, dim=-1)
-    real = support.ids >= 0
-    idx = torch.where(real, support.ids, torch.zeros_like(support.ids)).long()  # padding never aliases: weight 0
-    in_support = torch.zeros_like(z).scatter_add(1, idx, real.double()) > 0
-    mu_head = torch.zeros_like(z).scatter_add(1, idx, torch.where(real, torch.exp(support.mu_logp.double()), 0.0))
-    pi_tail_logp = policy_on_support(z, support.ids).tail_logp.double()  # log-sum-exp over the tail (SPEC §8)
-    finite = torch.isfinite(pi_tail_logp)
-    share = torch.exp(logp - torch.where(finite, pi_tail_logp, torch.zeros_like(pi_tail_logp))[:, None])
-    share = torch.where(in_support | ~finite[:, None], torch.zeros_like(share), share)  # π_i/π_T on the tail
-    mu_tilde = torch.where(in_support, mu_head, torch.exp(support.mu_tail_logp.double())[:, None] * share)
-    return torch.exp(logp) - mu_tilde
+    """g = ∇_z D_topk [N, V] float64 at the processed logits ``logits``: autograd of the core's one
+    differentiable top-K KL (``coupled.differentiable_topk_kl``); equal to π − μ̃ (module docstring)."""
+    with torch.enable_grad():
+        z = logits.detach().double().requires_grad_(True)
+        d = differentiable_topk_kl(support, policy_on_support(z, support.ids))
+        return torch.autograd.grad(d.sum(), z)[0]
 
 
 @torch.no_grad()

@@ -29,12 +29,11 @@ import torch
 from torch import Tensor
 
 from .audit import mean_ci, median_ci, paired_rate_diff_ci, wilson_ci
-from .coupled import differentiable_topk_kl
 from .divergence import full_kl
 from .errors import PDMInputError, check_same, check_tensor
-from .kernel_direction import kernel_scores, own_direction
+from .kernel_direction import kernel_scores, own_direction, topk_kl_logit_grad
 from .masks import MaskRule, get_mask_rule, kernel_outward, predictive_outward, ratio_outward
-from .policy_side import PolicyOnSupport, policy_on_support
+from .policy_side import policy_on_support
 from .probe_kernel import FunctionalKernel, LogitKernel
 from .stats import token_stats
 from .support import Support
@@ -88,12 +87,11 @@ def _outward(rule: MaskRule, stats, adv: Tensor, cfg: Any = None) -> Tensor | No
 
 def divergence_grads(support: Support, logits: Tensor, mu_full_logp: Tensor | None):
     """∇_z D for each measured divergence, by autograd of the core's functions; and π on S."""
+    grads = {"topk_kl": topk_kl_logit_grad(logits, support)}
     z = logits.detach().double().requires_grad_(True)
-    pi = policy_on_support(z, support.ids)
-    grads = {"topk_kl": torch.autograd.grad(differentiable_topk_kl(support, pi).sum(), z)[0]}
     if mu_full_logp is not None:
         grads["full_kl"] = torch.autograd.grad(full_kl(mu_full_logp.double(), torch.log_softmax(z, -1)).sum(), z)[0]
-    return grads, PolicyOnSupport(logp=pi.logp.detach(), tail_logp=pi.tail_logp, tail_log_sumsq=pi.tail_log_sumsq)
+    return grads, policy_on_support(z.detach(), support.ids)
 
 
 def own_update_probe(support: Support, logits: Tensor, kv: dict[str, Tensor], advantages: Tensor, ratio: Tensor, *,
