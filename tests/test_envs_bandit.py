@@ -117,6 +117,44 @@ def test_automaton_encoder_recovers_the_running_state():
     assert enc.features(obs).shape == (2, 4 + 4 + 5)
 
 
+def _scan_reference(task, obs: torch.Tensor) -> torch.Tensor:
+    """The running automaton state by its definition: one transition per slot, padding a no-op."""
+    q = []
+    for row in obs.tolist():
+        state = int(task.start[row[0]])
+        for token in row[1:]:
+            state = state if token == task.pad else int(task.transition[state, token])
+        q.append(state)
+    return torch.tensor(q)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=12), st.integers(0, 2 ** 16))
+def test_automaton_scan_resumed_across_calls_equals_the_scan_from_slot_one(moves, seed):
+    """The encoder resumes a row's scan from its previous call when only slots were appended (a
+    rollout); every other change (a reset row, an edited slot, another batch) is rescanned. Over
+    any sequence of such calls its state equals the plain scan of each observation alone."""
+    task = make_task("grammar", vocab_size=12, num_states=4, max_len=6)
+    enc = AutomatonEncoder(task)
+    gen = torch.Generator().manual_seed(seed)
+    obs = torch.full((5, task.obs_len), task.pad, dtype=torch.int64)
+    obs[:, 0] = torch.randint(task.num_prompts, (5,), generator=gen)
+    for kind, row in moves:
+        obs, row = obs.clone(), row % obs.shape[0]
+        written = int((obs[row, 1:] != task.pad).sum())
+        if kind == 0 and written < task.max_len:  # append a slot to one row (a rollout's step)
+            obs[row, 1 + written] = int(torch.randint(task.vocab_size, (1,), generator=gen))
+        elif kind == 1:  # the row restarts on a new prompt (the vector env's autoreset)
+            obs[row] = task.pad
+            obs[row, 0] = int(torch.randint(task.num_prompts, (1,), generator=gen))
+        elif kind == 2 and written:  # an earlier slot edited: the resume must notice
+            obs[row, 1 + int(torch.randint(written, (1,), generator=gen))] = int(
+                torch.randint(task.vocab_size, (1,), generator=gen))
+        elif kind == 3:  # another batch shape: a fresh scan
+            obs = obs[: row + 1]
+        q = enc._summary(obs)[1]
+        assert torch.equal(q, _scan_reference(task, obs)), (kind, row, obs)
+
+
 @pytest.mark.parametrize("kind", ["bandit", "token_mdp"])
 @pytest.mark.parametrize("policy", ["tabular", "neural"])
 def test_rollout_batches_are_consistent_and_seeded(kind, policy):

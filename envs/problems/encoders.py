@@ -14,6 +14,7 @@ from pdm_lab.envs.problems.tasks import AutomatonTask
 _HASH_MOD = 2_147_483_647  # 2^31 − 1: every product below stays inside int64
 _HASH_BASE = 1_000_003
 _POWERS = torch.ones(1, dtype=torch.int64)
+_SCAN_MEMORY = 1 << 22  # int64 elements of the last observation batch an automaton encoder keeps (32 MB)
 
 
 def context_hash(obs: Tensor, salt: int = 0) -> Tensor:
@@ -116,15 +117,38 @@ class AutomatonEncoder:
         self.feature_dim = self.num_classes + q + task.max_len
         self.prior_rows = prior_rows
         self._pad = n
+        self._last_scan: tuple[Tensor, Tensor, Tensor] | None = None  # (obs, last written slot, q)
 
     def _summary(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         prompt = obs[:, 0]
-        q = self._start[prompt]
+        written = obs[:, 1:] != self._pad
+        t = written.sum(dim=1).clamp(max=self.task.max_len - 1)
+        # the last written slot (0: none): padding after it leaves q unchanged, so the scan stops there
+        end = torch.where(written.any(dim=1), written.shape[1] - written.flip(1).long().argmax(dim=1), 0)
+        q, start = self._start[prompt], torch.ones_like(end)
+        last = self._last_scan
+        if last is not None and last[0].shape == obs.shape:
+            # a rollout calls once per written slot with the same rows one slot longer: a row whose
+            # prompt and written slots are unchanged resumes from its last state instead of slot 1
+            # (the scan is O(L) per call, so O(L²) per rollout without this)
+            last_obs, last_end, last_q = last
+            kept = ((obs == last_obs) | (torch.arange(obs.shape[1]) > last_end[:, None])).all(dim=1)
+            kept &= end >= last_end
+            q = torch.where(kept, last_q, q)
+            start = torch.where(kept, last_end + 1, start)
         flat, width = self._transition.reshape(-1), self._transition.shape[1]
-        for j in range(1, obs.shape[1]):
-            q = torch.take(flat, q * width + obs[:, j])  # = transition[q, obs[:, j]], 4× faster
-        t = (obs[:, 1:] != self._pad).sum(dim=1).clamp(max=self.task.max_len - 1)
+        slot, last_slot = start[:, None], obs.shape[1] - 1
+        for _ in range(max(0, int((end - start).max()) + 1) if obs.shape[0] else 0):  # each row its own slot
+            token = obs.gather(1, slot.clamp(max=last_slot))[:, 0]
+            step = torch.take(flat, q * width + token)  # = transition[q, token], 4× faster
+            q = torch.where(slot[:, 0] <= end, step, q)
+            slot = slot + 1
+        # kept only for observation batches (a rollout's), not the training's [B·L, 1 + L] stacks
+        self._last_scan = (obs.clone(), end, q) if obs.numel() <= _SCAN_MEMORY else None
         return prompt, q, t
+
+    def __getstate__(self) -> dict:  # copies and pickles (policy copies, sweep workers) start without the scan
+        return {**self.__dict__, "_last_scan": None}
 
     def state_index(self, obs: Tensor) -> Tensor:
         """[B, 1 + L] int64 → [B] int64 in [0, P·Q·L)."""
