@@ -53,6 +53,14 @@ def test_quick_preset_end_to_end(tmp_path):
     assert "Separated (the interval excludes 0): `noise:1` (**stress**)" in report
     audit = json.loads((out / "audit" / "audit.json").read_text())
     assert len(audit["per_seed"]) == 2 and audit["pairs"][0]["audit_step"] > 0  # the quick audit: a trained point
+    # the quick audit preset's power per seed at its trained point: ≥ 20 disagreement tokens each
+    from pdm_lab.audit import INSUFFICIENT
+    from pdm_lab.envs.presets import AUDIT_PRESETS
+    quick = AUDIT_PRESETS["quick"]
+    assert audit["pairs"][0]["audit_step"] == quick.main_step
+    assert min(audit["pairs"][0]["disagreement_per_seed"]) >= 20, audit["pairs"][0]["disagreement_per_seed"]
+    assert audit["pairs"][0]["verdict"].startswith(INSUFFICIENT)  # two seeds: never a verdict
+    assert [p["step"] for p in audit["trajectory"]] == list(quick.audit_at)
     again = run("sweep", "--preset", "quick", cwd=tmp_path)  # resumes: nothing to recompute
     assert again.returncode == 0 and "0 runs now, 24 reused" in again.stdout
 
