@@ -17,7 +17,7 @@ TRL_VENV := .venv-trl
 VERL_VENV := .venv-verl
 FRAMEWORK_PYTEST := -m pytest -q -o addopts=-ra -p no:cacheprovider
 
-.PHONY: run test test-core test-frameworks venv venvs bench clean-venv gpu-check
+.PHONY: run test test-core test-extended test-frameworks venv venvs bench clean-venv gpu-check
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,8 +65,14 @@ run: $(STAMP)
 
 test: test-core test-frameworks
 
+# `make test` is the suite a change is checked with (about 20 minutes on 2 cores); the tests marked
+# `extended` (long variants and robustness runs of paths the suite already covers) run after it in
+# CI (.ci/run) and with `make test-extended`.
 test-core: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not extended"
+
+test-extended: $(STAMP)
+	$(PY) -m pytest -q -m extended
 
 # The adapters' tests run inside the frameworks' own environments (tests_frameworks/).
 test-frameworks: $(TRL_VENV)/.installed $(VERL_VENV)/.installed

@@ -68,6 +68,7 @@ def test_fast_eager_path_equals_the_reference(seed, b, t, n, k, mismatch, rule, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @settings(max_examples=4)
 @given(**CASES)
 def test_fast_compiled_path_equals_the_reference(seed, b, t, n, k, mismatch, rule, convention, aggregation, cap,

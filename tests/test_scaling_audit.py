@@ -144,7 +144,7 @@ def _results(procs, queue, timeout: float = 300.0) -> list:
     return out
 
 
-@pytest.mark.parametrize("tied,param_dtype", [(False, "fp32"), (True, "bf16")])
+@pytest.mark.parametrize("tied,param_dtype", [(False, "fp32"), pytest.param(True, "bf16", marks=pytest.mark.extended)])
 def test_two_rank_fsdp2_audit_restores_parameters_and_adamw_state_bit_exactly(tmp_path, tied, param_dtype):
     import torch.multiprocessing as mp
 
@@ -327,6 +327,7 @@ def test_train_with_audit_writes_audit_jsonl(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.vllm
 def test_two_rank_train_with_audit_runs_and_snapshots_every_shard(tmp_path):
     """Two FSDP2 ranks with their vLLM engines and the audit on, two steps. The weight-sync check

@@ -77,7 +77,7 @@ def _two_ranks(tmp_path, aggregation: str, planted: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("aggregation", ["token-mean", pytest.param("seq-mean-token-sum", marks=pytest.mark.extended)])
 def test_two_fsdp2_ranks_step_as_one_rank_on_the_whole_batch(tmp_path, aggregation):
     lm, batch, cfg = _setup(aggregation)
     assert batch.select(range(4)).response_mask.sum() != batch.select(range(4, 8)).response_mask.sum()

@@ -86,6 +86,7 @@ def test_build_caches_and_round_trips(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.vllm
 def test_small_audited_run_resumes(tmp_path):
     pytest.importorskip("vllm")

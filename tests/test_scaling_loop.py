@@ -158,6 +158,7 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+@pytest.mark.extended
 def test_sigkill_launcher_mid_save_leaves_no_rank_and_resume_is_exact(uninterrupted, env):
     """Chaos: SIGKILL only the launcher's process group while a checkpoint is being
     written. torchrun starts its workers in their own sessions, so the signal does not reach
@@ -230,6 +231,7 @@ def test_sigkill_launcher_mid_save_leaves_no_rank_and_resume_is_exact(uninterrup
     assert second.returncode == 2 and len(err) == 1 and f"in use by pid {holder.pid}" in err[0], err
 
 
+@pytest.mark.extended
 def test_fp8_rollout_with_tensor_parallel_engines(env):
     run_dir = env["root"] / "run_fp8"
     out = run(env, run_dir, "fp8", ["total_steps=2", "rollout.precision=fp8", "rollout.fp8_block=32",

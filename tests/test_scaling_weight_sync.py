@@ -160,7 +160,8 @@ def engine_case(tied: bool, in_place: bool, steps: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("tied,in_place", [(True, True), (False, True), (True, False)],
+@pytest.mark.parametrize("tied,in_place", [(True, True), pytest.param(False, True, marks=pytest.mark.extended),
+                                             pytest.param(True, False, marks=pytest.mark.extended)],
                          ids=["tied-inplace", "untied-inplace", "tied-reload"])
 def test_engine_follows_the_trainer(tmp_path, tied, in_place):
     env = dict(os.environ, PDM_TEST_DIR=str(tmp_path), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
