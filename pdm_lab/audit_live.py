@@ -71,10 +71,8 @@ class LiveAuditConfig:
             raise ConfigError(f"audit.rules: compare at least two rules, got {list(self.rules)}")
         for i, rule in enumerate(self.rules):
             one_of(f"audit.rules[{i}]", rule, MASK_RULES)
-            if "kernel" in MASK_RULES[rule].needs:
-                raise ConfigError(f"audit.rules[{i}]: {rule!r} needs c_t = ⟨Wᵀg, Wᵀv⟩ from the trainer's unembedding, "
-                                  "which the live audit (the loop, TRL) does not supply yet; audit it in the toys "
-                                  "(pdm-lab audit)")
+            # a rule that needs ``kernel`` (pdm_kernel) is the stage's to supply: the loop's loss
+            # path computes c_t (scaling/train_step.py); the TRL trainer refuses it
         for i, scale in enumerate(self.step_scales):
             if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
                 raise ConfigError(f"audit.step_scales[{i}]: a positive multiple of the learning rate, got {scale!r}")

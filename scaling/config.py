@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pdm_lab.audit_live import LiveAuditConfig as AuditConfig
 from pdm_lab.config import ConfigError, at_least, config_dataclass, from_dict, in_range, non_negative, one_of, positive, to_dict
 from pdm_lab.mask_config import MaskConfig
+from pdm_lab.masks import MASK_RULES
 from pdm_lab.runtime.wandb_log import WandbConfig
 from pdm_lab.runtime.yaml_config import apply_overrides, dump_yaml, read_yaml
 
@@ -437,9 +438,15 @@ class TrainConfig:
         from pdm_lab.runtime.outputs import check_name
 
         check_name(self.name, "name")  # runs/<name> stays inside runs/
-        if "kernel" in self.mask.rule_record.needs:  # pdm_kernel: c_t = ⟨Wᵀg, Wᵀv⟩ is not computed here
-            raise ConfigError(f"mask.rule: {self.mask.rule!r} needs c_t = ⟨Wᵀg, Wᵀv⟩ from the trainer's unembedding, "
-                              "which the loop does not supply yet (scaling/train_step.py); use it in the toys")
+        kernel_rules = [("mask.rule", self.mask.rule)] if "kernel" in self.mask.rule_record.needs else []
+        if self.audit.every:
+            kernel_rules += [(f"audit.rules[{i}]", r) for i, r in enumerate(self.audit.rules)
+                             if "kernel" in MASK_RULES[r].needs]
+        if kernel_rules and self.rollout.sampling_mask is not None:  # c_t is the full softmax's (train_step)
+            where, rule = kernel_rules[0]
+            raise ConfigError(f"rollout.keep_sampling_mask: {where} {rule!r} computes c_t = ⟨Wᵀg, Wᵀv⟩ on the full "
+                              "softmax, not on the engine's sampling set; set rollout.keep_sampling_mask: false "
+                              "or sample without a top-k/top-p/min-p cut")
         samples = self.rollout.prompts_per_step * self.rollout.group_size
         if self.trainer.mini_batches > samples:  # an empty mini-batch is no optimiser step
             raise ConfigError(f"trainer.mini_batches: {self.trainer.mini_batches} exceeds the samples per step "

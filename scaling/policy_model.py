@@ -12,6 +12,8 @@ norm, lm_head), over gloo on CPU or nccl on GPU; a single fp32 rank stays unshar
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -46,7 +48,8 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor,
                 support_ids: Tensor, temperature: float, chunk_tokens: int | None = None,
                 head_dtype: torch.dtype | None = None, sampling=None,
-                keep_on_support: Tensor | None = None) -> tuple[Tensor, ...]:
+                keep_on_support: Tensor | None = None,
+                on_head: Callable[[Tensor, Tensor], None] | None = None) -> tuple[Tensor, ...]:
         """π on the support at selected positions.
 
         Args:
@@ -60,6 +63,11 @@ class PolicyModel(nn.Module):
             head_dtype: cast the hidden states and lm_head to this dtype first (None: the
                 compute dtype); the direction audit measures D with float64.
             sampling, keep_on_support: the engine's sampling mask (``policy_on_support``).
+            on_head: called once, without gradient, with the detached hidden states h [N, H] of
+                the selected positions and lm_head's weight [V, H] as this forward holds it (under
+                FSDP2 the root's gathered weight, in the compute dtype; tied: the embedding), for
+                what needs the full output layer (``pdm_kernel``'s c_t, ``train_step``). A callable,
+                so FSDP2's cast of the forward inputs leaves what it closes over alone.
 
         Returns:
             (logp [N, m] differentiable, tail_logp [N], tail_log_sumsq [N]): the fields of
@@ -69,6 +77,9 @@ class PolicyModel(nn.Module):
         hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         h = hidden.reshape(-1, hidden.shape[-1])[positions]  # [N, H]
         weight = self.lm.lm_head.weight
+        if on_head is not None:
+            with torch.no_grad():
+                on_head(h.detach(), weight.detach())
         if chunk_tokens is None or h.shape[0] <= chunk_tokens:
             return _support_chunk(h, weight, support_ids, temperature, head_dtype, sampling, keep_on_support)
         rows = lambda x, i: None if x is None else x[i:i + chunk_tokens]  # noqa: E731

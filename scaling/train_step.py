@@ -11,6 +11,14 @@ rank are gathered once (``pdm_lab.aggregation.DPInfo.all_reduce``) and handed to
 whose aggregate is then each micro-batch's share of the whole mini-batch's (DAPO's token-mean is
 over every token of the batch; FSDP averages the ranks' gradients).
 
+The kernel-aware rule (``pdm_kernel``, SPEC §6d): its c_t = ⟨Wᵀg, Wᵀv⟩ is computed in the same
+forward as π (``PolicyModel.forward(on_head=...)``: the hidden states of the response tokens and
+lm_head's weight as the forward holds it, so under FSDP2 the gathered weight and no extra
+collective), without gradient, by the core's ``kernel_direction.kernel_scores`` on the processed
+logits z = h Wᵀ/T with the unembedding of those logits, W/T (the probe's ``unembedding``, so a λ
+fitted by ``probe/kernel_fit`` applies as is; W itself at T = 1), rows in chunks of at most
+``KERNEL_CHUNK_ELEMENTS`` logits (``head_kernel_scores``); padding rows get c = 0.
+
 Non-finite numbers: a mini-batch whose loss (on any rank) or global gradient norm is NaN or ±inf
 is not stepped on: its gradients are dropped, the weights and the optimiser state stay as they
 were, and ``UpdateResult.nonfinite`` says which mini-batch and which quantity (``loss``,
@@ -30,6 +38,7 @@ from torch import Tensor
 
 from pdm_lab.aggregation import DPInfo
 from pdm_lab.errors import PDMInputError, one_line
+from pdm_lab.kernel_direction import kernel_scores
 from pdm_lab.loss import LossOutput, pdm_policy_loss
 from pdm_lab.loss_checks import gradient_flags
 from pdm_lab.metrics import MetricSums, all_reduce_metrics, as_mismatch, finalize_floats, merge_metrics, metric
@@ -112,29 +121,93 @@ def micro_batch_support(mb: MicroBatch, mask_cfg, vocab_size: int):
                              row_mask=mb.response_mask.reshape(-1))
 
 
+KERNEL_CHUNK_ELEMENTS = 1 << 22
+"""``head_kernel_scores``: at most this many [rows, V] logits per chunk (each float64 [rows, V]
+tensor of ``kernel_scores`` is then ≤ 32 MiB, whatever N)."""
+
+
+def support_rows(support: Support, rows) -> Support:
+    """The support's rows ``rows`` (an index tensor or a slice), every per-row field alike."""
+    return dataclasses.replace(support, **{f.name: getattr(support, f.name)[rows]
+                                           for f in dataclasses.fields(support)
+                                           if isinstance(getattr(support, f.name), Tensor)})
+
+
+@torch.no_grad()
+def head_kernel_scores(h: Tensor, weight: Tensor, support: Support, temperature: float, *,
+                       chunk_elements: int | None = None) -> Tensor:
+    """[n] float64 c_t = ⟨W̃ᵀg_t, W̃ᵀv_t⟩ of ``pdm_kernel`` (``kernel_direction.kernel_scores``) for the
+    processed logits z = h Wᵀ / T and their unembedding W̃ = W/T (module docstring).
+
+    Args:
+        h: [n, H] the hidden states of the rows (the compute dtype).
+        weight: W [V, H], lm_head's full weight (tied models: the embedding).
+        support: μ's support of the same n rows.
+        temperature: T.
+        chunk_elements: rows are processed in chunks of at most this many logits, at least one row
+            (None: ``KERNEL_CHUNK_ELEMENTS``).
+
+    z is h Wᵀ in the compute dtype (the loss's own logits), then divided by T in float64; W̃ is
+    cast to float64 once ([V, H]: the one extra tensor besides each chunk's).
+    """
+    w = weight.detach().double() / temperature
+    out = [torch.zeros(0, dtype=torch.float64, device=h.device)]
+    step = max(1, (chunk_elements or KERNEL_CHUNK_ELEMENTS) // max(w.shape[0], 1))
+    for i in range(0, h.shape[0], step):
+        z = (h[i:i + step].detach() @ weight.detach().t()).double() / temperature
+        out.append(kernel_scores(z, w, support_rows(support, slice(i, i + step))))
+    return torch.cat(out)
+
+
 def micro_batch_policy(policy, mb: MicroBatch, support, temperature: float,
                        chunk_tokens: int | None, sampling: SamplingMask | None = None) -> PolicyOnSupport:
     """π on the support for every [b·T] row: computed on response rows, padding rows set equal to
     the (trivial) μ row so they carry no divergence and no gradient. With the engine's sampling
     mask (``rollout.keep_sampling_mask``), π over the sampling set, the engine's own cut on S
     (``pdm_lab.sampling_mask``), and ``tail_count`` = |C ∖ S| (padding rows: the support's)."""
+    return _policy_rows(policy, mb, support, temperature, chunk_tokens, sampling)[0]
+
+
+def micro_batch_policy_kernel(policy, mb: MicroBatch, support: Support, temperature: float,
+                              chunk_tokens: int | None) -> tuple[PolicyOnSupport, Tensor]:
+    """``micro_batch_policy`` and, from the same forward, ``pdm_kernel``'s c [b·T] float64
+    (``head_kernel_scores`` on the response rows; 0 on padding rows). No sampling mask: c is
+    defined on the full softmax."""
+    return _policy_rows(policy, mb, support, temperature, chunk_tokens, None, kernel=True)
+
+
+def _policy_rows(policy, mb: MicroBatch, support: Support, temperature: float, chunk_tokens: int | None,
+                 sampling: SamplingMask | None, kernel: bool = False) -> tuple[PolicyOnSupport, Tensor | None]:
     valid = mb.response_mask.reshape(-1).nonzero(as_tuple=True)[0]
     extra = {} if sampling is None else {"sampling": sampling, "keep_on_support": engine_kept(support)[valid]}
+    scores: dict[str, Tensor] = {}
+    if kernel:
+        rows = support_rows(support, valid)
+        extra["on_head"] = lambda h, weight: scores.__setitem__(
+            "c", head_kernel_scores(h, weight, rows, temperature))
     out = policy(mb.input_ids, mb.attention_mask, mb.positions, support.ids[valid], temperature, chunk_tokens,
                  **extra)
     pi = policy_with_padding_rows(support, valid, PolicyOnSupport(logp=out[0], tail_logp=out[1],
                                                                   tail_log_sumsq=out[2]))
     if len(out) == 4:
         pi = dataclasses.replace(pi, tail_count=support.tail_count.index_put((valid,), out[3]))
-    return pi
+    if not kernel:
+        return pi, None
+    c = torch.zeros(support.ids.shape[0], dtype=torch.float64, device=scores["c"].device)
+    return pi, c.index_put((valid.to(c.device),), scores["c"])
 
 
 def policy_and_support(policy, mb: MicroBatch, support: Support, temperature: float, chunk_tokens: int | None,
-                       sampling: SamplingMask | None = None) -> tuple[PolicyOnSupport, Support]:
-    """π on the support and the support whose tail is counted inside the sampling set
-    (``sampling_mask.on_sampling_set``; unchanged without a sampling mask)."""
-    pi = micro_batch_policy(policy, mb, support, temperature, chunk_tokens, sampling)
-    return pi, on_sampling_set(support, pi.tail_count)
+                       sampling: SamplingMask | None = None,
+                       kernel: bool = False) -> tuple[PolicyOnSupport, Support, Tensor | None]:
+    """π on the support, the support whose tail is counted inside the sampling set
+    (``sampling_mask.on_sampling_set``; unchanged without a sampling mask) and, with ``kernel``,
+    ``pdm_kernel``'s c from the same forward (``micro_batch_policy_kernel``; else None)."""
+    if kernel and sampling is not None:
+        raise PDMInputError("pdm_kernel: c_t = ⟨Wᵀg, Wᵀv⟩ is defined on the full softmax, not on the engine's "
+                            "sampling set (set rollout.keep_sampling_mask: false, or no top-k/top-p/min-p cut)")
+    pi, c = _policy_rows(policy, mb, support, temperature, chunk_tokens, sampling, kernel=kernel)
+    return pi, on_sampling_set(support, pi.tail_count), c
 
 
 def micro_batch_loss(policy, mb: MicroBatch, mask_cfg, *, vocab_size: int, temperature: float,
@@ -142,13 +215,19 @@ def micro_batch_loss(policy, mb: MicroBatch, mask_cfg, *, vocab_size: int, tempe
                      sampling: SamplingMask | None = None) -> tuple[LossOutput, float]:
     """The loop's loss path for one micro-batch: μ's support, π on it (over the engine's
     sampling set when `sampling` is given), the core's loss (this micro-batch's share of the
-    mini-batch's aggregate, `dp`). Also returns the seconds spent in the support and π (the rest
-    is the loss's)."""
+    mini-batch's aggregate, `dp`). A rule that needs ``kernel`` (``pdm_kernel``) gets its c from
+    the same forward. Also returns the seconds spent in the support and π (the rest is the loss's)."""
     t0 = time.perf_counter()
-    pi, support = policy_and_support(policy, mb, micro_batch_support(mb, mask_cfg, vocab_size), temperature,
-                                     chunk_tokens, sampling)
+    pi, support, kernel = policy_and_support(policy, mb, micro_batch_support(mb, mask_cfg, vocab_size), temperature,
+                                             chunk_tokens, sampling, kernel=needs_kernel(mask_cfg))
     t1 = time.perf_counter()
-    return pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=coupled, dp=dp), t1 - t0
+    return pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=coupled, kernel=kernel,
+                           dp=dp), t1 - t0
+
+
+def needs_kernel(mask_cfg) -> bool:
+    """The rule reads ``TokenStats.kernel`` (``pdm_kernel``): the loss path computes c_t."""
+    return "kernel" in mask_cfg.rule_record.needs
 
 
 def guarded_loss(policy, mb: MicroBatch, mask_cfg, *, vocab_size: int, temperature: float,
@@ -158,13 +237,14 @@ def guarded_loss(policy, mb: MicroBatch, mask_cfg, *, vocab_size: int, temperatu
     returned, not raised. Returns (the loss output or None, the tensor to backward, the error's
     line or None, the seconds in the support and π). On a non-finite loss the tensor is a zero
     through π's graph: its backward reaches every parameter (FSDP's reduce-scatter runs as on the
-    other ranks) and adds nothing."""
+    other ranks) and adds nothing. ``pdm_kernel``: c as in ``micro_batch_loss``."""
     t0 = time.perf_counter()
-    pi, support = policy_and_support(policy, mb, micro_batch_support(mb, mask_cfg, vocab_size), temperature,
-                                     chunk_tokens, sampling)
+    pi, support, kernel = policy_and_support(policy, mb, micro_batch_support(mb, mask_cfg, vocab_size), temperature,
+                                             chunk_tokens, sampling, kernel=needs_kernel(mask_cfg))
     t1 = time.perf_counter()
     try:
-        out = pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=coupled, dp=dp)
+        out = pdm_policy_loss(pi, support, mb.advantages, mb.response_mask, mask_cfg, coupled=coupled, kernel=kernel,
+                              dp=dp)
     except PDMInputError as err:
         if not str(err).startswith("loss:"):  # bad input, not a non-finite result
             raise

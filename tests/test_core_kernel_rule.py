@@ -1,6 +1,6 @@
 """The kernel-aware mask ``pdm_kernel`` (SPEC §6d): c_t = ⟨Wᵀg, Wᵀv⟩ against autograd in float64
 (planted formulas fail), ⟨g, v⟩ = Ḋ_topk, the rule's drops on crafted rows (λ = 0 is pdm_topk,
-a large λ follows the sign of Â·c), its config, the toys end to end and the loop's refusal."""
+a large λ follows the sign of Â·c), its config, the toys end to end and the loop's config."""
 import dataclasses
 from pathlib import Path
 
@@ -235,12 +235,14 @@ def test_toy_audit_with_pdm_kernel_runs_end_to_end():
         AuditConfig(policy="tabular", rules=("dppo_topk_kl", "pdm_kernel"))
 
 
-def test_the_loop_refuses_pdm_kernel_at_config_time():
+def test_the_loop_and_the_live_audit_take_pdm_kernel():
+    """The loop supplies c_t (``scaling/train_step.py``; its tests: ``test_scaling_kernel.py``), so
+    its config and the live audit's section take the rule; only a sampling cut is refused."""
+    from pdm_lab.audit_live import LiveAuditConfig
     from pdm_lab.scaling.config import load_config
 
     tiny = REPO / "scaling" / "configs" / "tiny-cpu.yaml"
-    with pytest.raises(ConfigError, match=r"^mask\.rule: 'pdm_kernel' .*the loop does not supply yet") as err:
-        load_config(tiny, ["mask.rule=pdm_kernel"])
-    assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match=r"audit\.rules\[1\]: 'pdm_kernel'"):
-        load_config(tiny, ["audit.every=1", "audit.rules=[dppo_topk_kl,pdm_kernel]"])
+    assert load_config(tiny, ["mask.rule=pdm_kernel"]).mask.rule == "pdm_kernel"
+    assert LiveAuditConfig(every=1, rules=("dppo_topk_kl", "pdm_kernel")).rules[1] == "pdm_kernel"
+    with pytest.raises(ConfigError, match=r"^rollout\.keep_sampling_mask: mask\.rule 'pdm_kernel'"):
+        load_config(tiny, ["mask.rule=pdm_kernel", "rollout.top_p=0.9"])

@@ -47,10 +47,11 @@ from torch import Tensor
 
 from ..aggregation import DPInfo
 from ..audit_live import LiveAuditConfig
-from ..config import to_dict
+from ..config import ConfigError, to_dict
 from pdm_lab.mask_config import MaskConfig
 from ..engine_topk import EngineTopK, pad_responses, topk_from_ranked
 from ..loss import pdm_policy_loss
+from ..masks import MASK_RULES
 from ..policy_side import policy_on_support
 from ..sampling_mask import SamplingMask, engine_kept, on_sampling_set
 from ..support import support_from_topk, topk_lower_id_ties
@@ -87,6 +88,16 @@ def rollout_from_vllm(completion_ids: list[list[int]], logprobs: list, token_ids
             for i, (seq, lps, ids) in enumerate(zip(completion_ids, logprobs, token_ids, strict=True))]
 
 
+def _refuse_kernel_rules(mask: MaskConfig, audit: LiveAuditConfig) -> None:
+    """``pdm_kernel`` needs c_t = ⟨Wᵀg, Wᵀv⟩ from the policy's unembedding, which this trainer's loss
+    path does not compute (the scaling loop's does: ``scaling/train_step.py``)."""
+    named = [("mask.rule", mask.rule)] + [(f"audit.rules[{i}]", r) for i, r in enumerate(audit.rules) if audit.every]
+    for where, rule in named:
+        if "kernel" in MASK_RULES[rule].needs:
+            raise ConfigError(f"{where}: {rule!r} needs c_t = ⟨Wᵀg, Wᵀv⟩ from the trainer's unembedding, which "
+                              "PDMGRPOTrainer does not supply; run it in the scaling loop (pdm-lab train) or the toys")
+
+
 class PDMGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose loss is pdm_lab's masked policy loss (``mask``: the ``MaskConfig``).
 
@@ -98,6 +109,7 @@ class PDMGRPOTrainer(GRPOTrainer):
                  keep_sampling_mask: bool | None = None, **kwargs):
         self.pdm_mask = mask or MaskConfig()
         self.pdm_audit = audit or LiveAuditConfig()
+        _refuse_kernel_rules(self.pdm_mask, self.pdm_audit)
         self._pdm_audit_batches = 0
         if keep_sampling_mask not in (None, True, False):
             raise ValueError("PDMGRPOTrainer: keep_sampling_mask must be True, False or None, "
