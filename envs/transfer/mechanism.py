@@ -9,15 +9,21 @@ From the audit lines the loop (``audit.jsonl``) or TRL writes with ``audit.probe
 * the step decomposition per rule: own / rest of the batch / optimiser memory / remainder shares
   of |ΔD| and the median |ΔD|/D;
 * the step-size audit: each rule's unsafe-keep and the two controls at each multiple of the
-  run's step, against that step's median |ΔD|/D (``mechanism_step_sizes.png``).
+  run's step, against that step's median |ΔD|/D (``mechanism_step_sizes.png``);
+* each audited pair (the reference rule, another): the other rule's sign agreement minus the
+  reference's on the probed disagreement tokens (paired), and its unsafe-keep minus the
+  reference's at each step size (Newcombe: their kept tokens differ); the fitted b/a of the
+  kernel-aware test over the audited steps.
 
 ``pdm-lab mechanism RUN_DIR... --out DIR`` writes ``mechanism.json``, ``mechanism.md`` and the figure.
 """
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
+from pdm_lab.audit import paired_rate_diff_ci, rate_diff_ci
 from pdm_lab.probe import pool_decomposition, pool_probe
 
 from pdm_lab.envs.transfer.step_matched import pooled_step_scales
@@ -29,6 +35,43 @@ def _no_data(d: dict | None) -> dict | None:
     return None if d is None else {k: v for k, v in d.items() if not k.endswith("/data")}
 
 
+def _flat(x) -> list[float]:
+    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
+
+
+def _b_over_a(fit: dict | None) -> dict | None:
+    """The kernel-aware test's fitted b/a over the pooled probes (one per audited step and rank)."""
+    if not fit:
+        return None
+    ratios = sorted(b / a for a, b in zip(_flat(fit["a"]), _flat(fit["b"]))
+                    if a is not None and b is not None and a != 0 and math.isfinite(b / a))
+    if not ratios:
+        return None
+    q = lambda f: ratios[0] if len(ratios) == 1 else statistics.quantiles(ratios, n=4, method="inclusive")[f]  # noqa: E731
+    return {"n": len(ratios), "min": ratios[0], "q1": q(0), "median": statistics.median(ratios), "q3": q(2),
+            "max": ratios[-1], "values": ratios}
+
+
+def rule_pairs(rules: list[str], probe: dict | None, scales: dict) -> dict:
+    """``"A|B"`` (A the reference, ``rules[0]``) → B − A: the sign agreement with the token's own
+    first-order ΔD under K on the probed disagreement tokens (paired: the same tokens), and
+    unsafe-keep at each step size (Newcombe: each rule's own kept disagreement tokens)."""
+    data = (probe or {}).get("probe/data")
+    out = {}
+    for b in rules[1:]:
+        a = rules[0]
+        entry: dict = {"sign_agreement_diff": None, "unsafe_keep_diff": {}}
+        if data and a in data["outward"] and b in data["outward"] and DIVERGENCE in data["grows"]:
+            dis = [bool(x) for x in data["disagreement"]]
+            truth = data["grows"][DIVERGENCE]
+            right = {r: [bool(p) == bool(t) for p, t, s in zip(data["outward"][r], truth, dis) if s] for r in (a, b)}
+            entry["sign_agreement_diff"] = paired_rate_diff_ci(right[b], right[a])
+        for key, row in scales.items():
+            entry["unsafe_keep_diff"][key] = rate_diff_ci(row[b]["grew"], row[b]["n"], row[a]["grew"], row[a]["n"])
+        out[f"{a}|{b}"] = entry
+    return out
+
+
 def mechanism_doc(lines: list[dict], run_names: list[str]) -> dict:
     """The pooled statistics of the module docstring (``probe`` None: no line carries a probe)."""
     rules = list(lines[0]["rules"])
@@ -38,10 +81,13 @@ def mechanism_doc(lines: list[dict], run_names: list[str]) -> dict:
         parts = [ln["decomposition"][rule] for ln in lines
                  if ((ln.get("decomposition") or {}).get(rule) or {}).get("decomp/tokens")]
         decomposition[rule] = _no_data(pool_decomposition(parts)) if parts else None
+    probe = pool_probe(probes) if probes else None
+    scales = pooled_step_scales([ln.get("step_scales") for ln in lines], rules)
     return {"runs": run_names, "rules": rules, "delta": lines[0]["delta"], "k": lines[0]["k"],
             "audited_steps": len(lines), "outside_tokens": sum(int(ln.get("outside") or 0) for ln in lines),
-            "probe": _no_data(pool_probe(probes)) if probes else None, "decomposition": decomposition,
-            "step_scales": pooled_step_scales([ln.get("step_scales") for ln in lines], rules)}
+            "probe": _no_data(probe), "decomposition": decomposition, "step_scales": scales,
+            "pairs": rule_pairs(rules, probe, scales),
+            "kernel_b_over_a": _b_over_a((probe or {}).get("probe/kernel_fit"))}
 
 
 def step_records(doc: dict) -> dict:
@@ -89,6 +135,16 @@ def mechanism_markdown(doc: dict) -> str:
             if d:
                 out.append(f"- kernel-aware test − `{r}` on disagreement tokens: {_pct(d['diff'])} "
                            f"[{_pct(d['lo'])}, {_pct(d['hi'])}] (paired, n {d['n']})")
+        for pair, e in doc.get("pairs", {}).items():
+            d = e["sign_agreement_diff"]
+            if d:
+                a, b = pair.split("|")
+                out.append(f"- `{b}` − `{a}` on disagreement tokens: {_pct(d['diff'])} "
+                           f"[{_pct(d['lo'])}, {_pct(d['hi'])}] (paired, n {d['n']})")
+        ba = doc.get("kernel_b_over_a")
+        if ba:
+            out.append(f"- the kernel-aware test's fitted b/a over {ba['n']} probes (audited steps × ranks): median "
+                       f"{ba['median']:.3g}, quartiles {ba['q1']:.3g} and {ba['q3']:.3g}, range {ba['min']:.3g} to {ba['max']:.3g}")
         for key, label in (("probe/cos_kv_v", "cos(K v, v)"), ("probe/head_share", "output layer's share of ‖K v‖²")):
             e = p.get(key)
             if e:
@@ -113,6 +169,11 @@ def mechanism_markdown(doc: dict) -> str:
         cells = [_rate({"rate": row[n]["rate"], "lo": row[n]["lo"], "hi": row[n]["hi"], "n": row[n]["n"]})
                  for n in [*rules, "kept_by_all", "momentum_only"]]
         out.append(f"| {row['lr_scale']:g} | {row['median_abs_dd_over_d']:.3g} | " + " | ".join(cells) + " |")
+    for pair, e in doc.get("pairs", {}).items():
+        a, b = pair.split("|")
+        out += ["", f"`{b}` − `{a}` (Newcombe 95%): " + "; ".join(
+            f"×{doc['step_scales'][k]['lr_scale']:g} {_pct(d['diff'])} [{_pct(d['lo'])}, {_pct(d['hi'])}]"
+            for k, d in sorted(e["unsafe_keep_diff"].items(), key=lambda kv: -doc["step_scales"][kv[0]]["lr_scale"]))]
     out += ["", "A direction test can matter only where the median |ΔD|/D is well below 1 (first order); above "
             "it the step overshoots whatever the mask. The median |ΔD|/D of several steps is the median of "
             "their medians.", ""]
