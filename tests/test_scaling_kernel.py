@@ -252,6 +252,7 @@ def test_two_rank_fsdp2_c_equals_the_unsharded_models(tmp_path, tied):
 
 # ------------------------------------------------------------------ the loop, as a user runs it
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.vllm
 def test_tiny_loop_trains_with_pdm_kernel_and_audits_it(tmp_path):
     """Two steps of ``pdm-lab train`` on the tiny config (one rank, fp8 rollout so that μ ≠ π, δ
