@@ -101,6 +101,7 @@ def test_binary_divergences_are_computed_only_for_the_rules_that_read_them():
 
 
 @pytest.mark.compile
+@pytest.mark.extended
 def test_compiled_loss_equals_eager_and_a_delta_schedule_does_not_recompile():
     """``compiled=True`` runs the stats and the per-token tail (surrogate, aggregation, metric
     sums, and their backward) as compiled graphs: the same loss, gradient, mask and metrics as

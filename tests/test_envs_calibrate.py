@@ -18,7 +18,7 @@ SHORT = replace(REALISTIC, problem=replace(REALISTIC.problem, token_mdp=replace(
 
 @pytest.fixture(scope="module")
 def realistic():
-    return toy_table(REALISTIC, seeds=2)
+    return toy_table(REALISTIC, seeds=1)  # one seed's ~10⁵ tokens hold p99.9 and the fractions asserted
 
 
 def test_realistic_preset_is_llm_like(realistic):

@@ -82,6 +82,7 @@ def _cli(*args):
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "pdm_lab"]
 
 
+@pytest.mark.extended
 def test_kill_mid_sweep_then_resume_loses_only_runs_in_flight(tmp_path):
     out = tmp_path / "sweep"
     args = _cli() + ["sweep", "--out", str(out), "--no-audit", "--quiet", "--workers", "2",

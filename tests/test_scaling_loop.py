@@ -246,6 +246,7 @@ def test_fp8_rollout_with_tensor_parallel_engines(env):
         assert "mismatch/dir_disagree" in r
 
 
+@pytest.mark.extended
 def test_sync_check_stops_a_run_whose_engine_drifts(env):
     """A bf16 engine behind an fp32 trainer differs by ~0.1 in log-prob: with a tolerance meant
     for fp32 the check before the first step stops the run with an error naming the step."""

@@ -227,6 +227,7 @@ def _weights(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in torch.load(out, weights_only=True)["model"].items() if torch.is_tensor(v)}
 
 
+@pytest.mark.extended
 def test_train_with_exploding_rewards_skips_stops_and_exits_3(tmp_path):
     run_dir = tmp_path / "run"
     (tmp_path / "explode.py").write_text(PLUGIN)

@@ -139,6 +139,7 @@ def test_metrics_log_resumes_the_same_run_and_logs_the_audit_tables(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended
 def test_training_loop_offline_run_matches_its_jsonl(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PDM_LAB_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
