@@ -23,6 +23,10 @@ the toy's mechanism statistics (SPEC §6d: per-rule sign agreement, cos(K v, v),
 share, median |ΔD|/D) lie outside the run's intervals, else "undecided", "transfers",
 "consistent" or "does not transfer" from the two A − B intervals; a run without probe keys is
 said to have none, and its outcome is at most "undecided".
+
+One module of about 360 lines on purpose: the reading, the two sides' summaries, the outcome and
+the markdown share one document's fields, and ``markdown`` prints exactly what ``run_transfer``
+computed; split, each part would re-read the same keys.
 """
 from __future__ import annotations
 
