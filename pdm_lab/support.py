@@ -15,6 +15,8 @@ the checks run that name the argument and the first offending position.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +77,10 @@ class Support:
 
     def __len__(self) -> int:
         return self.ids.shape[0]
+
+    def take_rows(self, rows) -> "Support":
+        """The rows ``rows`` (an index tensor or a slice) of every per-row field; n and K kept."""
+        return dataclasses.replace(self, **{f: getattr(self, f)[rows] for f in _FIELDS})
 
 
 _FIELDS = ("ids", "k_index", "mu_logp", "mu_tail_logp", "mu_kth_logp", "tail_count")

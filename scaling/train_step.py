@@ -130,13 +130,6 @@ KERNEL_CHUNK_ELEMENTS = 1 << 22
 tensor of ``kernel_scores`` is then ≤ 32 MiB, whatever N)."""
 
 
-def support_rows(support: Support, rows) -> Support:
-    """The support's rows ``rows`` (an index tensor or a slice), every per-row field alike."""
-    return dataclasses.replace(support, **{f.name: getattr(support, f.name)[rows]
-                                           for f in dataclasses.fields(support)
-                                           if isinstance(getattr(support, f.name), Tensor)})
-
-
 @torch.no_grad()
 def head_kernel_scores(h: Tensor, weight: Tensor, support: Support, temperature: float, *,
                        chunk_elements: int | None = None) -> Tensor:
@@ -159,7 +152,7 @@ def head_kernel_scores(h: Tensor, weight: Tensor, support: Support, temperature:
     step = max(1, (chunk_elements or KERNEL_CHUNK_ELEMENTS) // max(w.shape[0], 1))
     for i in range(0, h.shape[0], step):
         z = (h[i:i + step].detach() @ weight.detach().t()).double() / temperature
-        out.append(kernel_scores(z, w, support_rows(support, slice(i, i + step))))
+        out.append(kernel_scores(z, w, support.take_rows(slice(i, i + step))))
     return torch.cat(out)
 
 
@@ -186,7 +179,7 @@ def _policy_rows(policy, mb: MicroBatch, support: Support, temperature: float, c
     extra = {} if sampling is None else {"sampling": sampling, "keep_on_support": engine_kept(support)[valid]}
     scores: dict[str, Tensor] = {}
     if kernel:
-        rows = support_rows(support, valid)
+        rows = support.take_rows(valid)
         extra["on_head"] = lambda h, weight: scores.__setitem__(
             "c", head_kernel_scores(h, weight, rows, temperature))
     out = policy(mb.input_ids, mb.attention_mask, mb.positions, support.ids[valid], temperature, chunk_tokens,

@@ -177,3 +177,20 @@ def test_compiled_support_matches_eager(monkeypatch, block_rows):
                                   compiled=c)
             messages.append(str(err.value))
         assert messages[0] == messages[1]
+
+
+def test_take_rows_selects_every_per_row_field_and_keeps_n_and_k():
+    import dataclasses
+
+    from pdm_lab.support import support_from_full
+
+    gen = torch.Generator().manual_seed(3)
+    mu = torch.log_softmax(torch.randn(6, 11, generator=gen, dtype=torch.float64), -1)
+    sup = support_from_full(mu, torch.randint(0, 11, (6,), generator=gen), k=3, compiled=False)
+    rows = torch.tensor([4, 0, 4])
+    got = sup.take_rows(rows)
+    for f in dataclasses.fields(sup):
+        value = getattr(sup, f.name)
+        want = value[rows] if torch.is_tensor(value) else value
+        assert (torch.equal(getattr(got, f.name), want) if torch.is_tensor(want) else getattr(got, f.name) == want), f.name
+    assert len(sup.take_rows(slice(1, 3))) == 2

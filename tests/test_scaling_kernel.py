@@ -66,7 +66,7 @@ def test_loop_c_equals_kernel_scores_on_the_same_logits_and_weight(tied, chunk_t
     assert c.dtype == torch.float64 and c.shape == resp.shape
     assert torch.equal(c[~resp], torch.zeros(int((~resp).sum()), dtype=torch.float64))
     z = _reference_logits(lm, batch, mb) / temperature
-    want = kernel_scores(z, lm.lm_head.weight.detach() / temperature, train_step.support_rows(support, valid))
+    want = kernel_scores(z, lm.lm_head.weight.detach() / temperature, support.take_rows(valid))
     assert want.abs().max() > 1e-3  # a real signal, not zeros on both sides
     torch.testing.assert_close(c[valid], want, rtol=1e-9, atol=1e-12)
     # π of the same forward is micro_batch_policy's
@@ -93,7 +93,7 @@ def test_head_kernel_scores_is_kernel_scores_of_h_w_over_t():
     for chunk in (1, vocab, 2 * vocab + 1, None):
         got = train_step.head_kernel_scores(h, w, support, t, chunk_elements=chunk)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
-    assert train_step.head_kernel_scores(h[:0], w, train_step.support_rows(support, slice(0, 0)), t).shape == (0,)
+    assert train_step.head_kernel_scores(h[:0], w, support.take_rows(slice(0, 0)), t).shape == (0,)
 
 
 SEED = 6  # a batch where λ = 3 flips one of pdm_topk's decisions (on most, c has Ḋ_topk's sign)

@@ -5,7 +5,6 @@ loss); this module only flattens [B, T] batches into the core's [N] token rows.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,19 +43,13 @@ class TokenBatch:
         """Sequences ``rows`` ([b] int64) of this batch, with their T token rows each."""
         horizon = self.advantages.shape[1]
         tok = (rows[:, None] * horizon + torch.arange(horizon)).reshape(-1)
-        support = dataclasses.replace(
-            self.support, **{f.name: getattr(self.support, f.name)[tok]
-                             for f in dataclasses.fields(Support) if f.name not in ("vocab_size", "top_k")})
-        return TokenBatch(obs=self.obs[tok], support=support, mu_full=self.mu_full[tok],
+        return TokenBatch(obs=self.obs[tok], support=self.support.take_rows(tok), mu_full=self.mu_full[tok],
                           advantages=self.advantages[rows], response_mask=self.response_mask[rows])
 
     def rows(self, tokens: Tensor) -> "TokenBatch":
         """Token rows ``tokens`` ([M] int64) alone, as an [M, 1] batch (one token per sequence)."""
-        support = dataclasses.replace(
-            self.support, **{f.name: getattr(self.support, f.name)[tokens]
-                             for f in dataclasses.fields(Support) if f.name not in ("vocab_size", "top_k")})
         m = tokens.numel()
-        return TokenBatch(obs=self.obs[tokens], support=support, mu_full=self.mu_full[tokens],
+        return TokenBatch(obs=self.obs[tokens], support=self.support.take_rows(tokens), mu_full=self.mu_full[tokens],
                           advantages=self.advantages.reshape(-1)[tokens].view(m, 1),
                           response_mask=self.response_mask.reshape(-1)[tokens].view(m, 1))
 
