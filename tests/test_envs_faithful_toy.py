@@ -66,33 +66,56 @@ def test_the_window_alone_decides_the_trainable_logits():
         assert not torch.equal(policy.trainable_logits(long), policy.trainable_logits(edited))
 
 
-@pytest.mark.parametrize("kind", ["transformer", "transformer_tied", "neural", "tabular"])
+def central_difference(policy, obs_row, v_row, eps):
+    """(z(θ + εg) − z(θ − εg))/2ε with g = ∇_θ⟨z, v⟩: the logit change of an actual tiny step."""
+    policy.zero_grad()
+    (policy(obs_row)[0] * v_row).sum().backward()
+    grads = [p.grad.clone() for p in policy.parameters()]
+    with torch.no_grad():
+        for p, g in zip(policy.parameters(), grads):
+            p.add_(eps * g)
+        plus = policy(obs_row)[0]
+        for p, g in zip(policy.parameters(), grads):
+            p.sub_(2 * eps * g)
+        minus = policy(obs_row)[0]
+        for p, g in zip(policy.parameters(), grads):
+            p.add_(eps * g)
+    return (plus - minus) / (2 * eps)
+
+
+@pytest.mark.parametrize("kind", ["transformer", "transformer_tied", "neural", "tabular", "qwen3", "qwen3_untied"])
 def test_kernel_v_matches_an_actual_tiny_float64_step(kind):
-    """K v = d z_t/dη along θ + η·∇_θ⟨z_t, v_t⟩: checked against (z(θ + εg) − z(θ − εg))/2ε."""
+    """K v = d z_t/dη along θ + η·∇_θ⟨z_t, v_t⟩: checked against (z(θ + εg) − z(θ − εg))/2ε. For the
+    ``transformers`` Qwen3 this also shows it computes in float64 throughout."""
+    if kind.startswith("qwen3"):
+        pytest.importorskip("transformers")
     policy, obs = policy_and_obs(kind, rows=4)
     with torch.no_grad():
         z = policy(obs)
     v = own_direction(z, torch.tensor([1, 5, 9, 30]))
     kv = ToyKernel(policy, obs).kernel_v(torch.arange(4), v)
+    eps = 1e-6 if kind.startswith("qwen3") else 1e-5  # the Qwen3's ‖g‖ is large: a smaller ε
     for t in range(4):
-        policy.zero_grad()
-        (policy(obs[t:t + 1])[0] * v[t]).sum().backward()
-        grads = [p.grad.clone() for p in policy.parameters()]
-        eps = 1e-5
-        with torch.no_grad():
-            for p, g in zip(policy.parameters(), grads):
-                p.add_(eps * g)
-            plus = policy(obs[t:t + 1])[0]
-            for p, g in zip(policy.parameters(), grads):
-                p.sub_(2 * eps * g)
-            minus = policy(obs[t:t + 1])[0]
-            for p, g in zip(policy.parameters(), grads):
-                p.add_(eps * g)
-        actual = (plus - minus) / (2 * eps)
+        actual = central_difference(policy, obs[t:t + 1], v[t], eps)
         assert torch.linalg.norm(kv[t] - actual) <= 1e-6 * torch.linalg.norm(actual)
         planted = v[t]  # a probe that assumes the tabular kernel K = I
         if kind != "tabular":
             assert torch.linalg.norm(planted - actual) > 1e-3 * torch.linalg.norm(actual)
+
+
+def test_transformers_float32_internals_would_fail_that_check():
+    """Planted: the Qwen3 toy with transformers' own RMSNorm (float32 inside) is off by far more than 1e-6."""
+    pytest.importorskip("transformers")
+    policy, obs = policy_and_obs("qwen3", rows=2)
+    for module in policy.model.modules():
+        if type(module).__name__.startswith("Wide"):
+            module.__class__ = type(module).__mro__[1]
+    with torch.no_grad():
+        z = policy(obs)
+    v = own_direction(z, torch.tensor([1, 5]))
+    kv = ToyKernel(policy, obs).kernel_v(torch.arange(2), v)
+    actual = central_difference(policy, obs[:1], v[0], eps=1e-6)
+    assert torch.linalg.norm(kv[0] - actual) > 1e-4 * torch.linalg.norm(actual)
 
 
 def test_the_transformers_kernel_is_not_the_tabular_one():
@@ -194,9 +217,12 @@ def test_calibrate_from_run_reports_the_probe_statistics_and_which_match(doc, tm
     assert "no probe keys" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("kind", ["transformer", "qwen3"])
 @pytest.mark.parametrize("mismatch", ["bf16_engine:0", "fp8_engine:0", "outlier:0.3:1"])
-def test_engine_copies_of_the_transformer_are_a_function_of_the_context(mismatch):
-    policy, obs = policy_and_obs(rows=12)
+def test_engine_copies_of_the_transformer_are_a_function_of_the_context(mismatch, kind):
+    if kind == "qwen3":
+        pytest.importorskip("transformers")
+    policy, obs = policy_and_obs(kind, rows=12)
     policy = policy.float()
     engine = Mismatch.parse(mismatch).behaviour_copy(policy)
     with torch.no_grad():

@@ -31,7 +31,8 @@ class AuditConfig:
     problem: ProblemConfig = field(default_factory=ProblemConfig)
     """environment (default: the softmax bandit, 64 prompts × 1000 tokens)."""
     policy: str = "tabular"
-    """``tabular`` or ``neural``."""
+    """``tabular``, ``neural``, ``transformer``/``transformer_tied`` (a hand-written causal transformer)
+    or ``qwen3``/``qwen3_untied`` (the loop's model family, from ``transformers``)."""
     hidden: Annotated[int, at_least(1)] = 64
     """neural policy width."""
     rules: tuple[str, ...] = ("dppo_topk_kl", "pdm_topk")
@@ -57,6 +58,11 @@ class AuditConfig:
     kernel-aware direction test; a probe's ``probe/kernel_fit`` gives a model's b/a."""
     mismatch: str = "noise:1"
     """μ's mismatch (see ``mismatch``); the presets use a realistic setting (SPEC §6b)."""
+    sft_steps: Annotated[int, at_least(0)] = 0
+    """AdamW steps of supervised fine-tuning on the policy's own accepted responses before any other
+    training (``envs.audit.sft``: the loop's SFT warm-up, so the network's kernel is a trained one's)."""
+    sft_lr: Annotated[float, positive] = 3e-3
+    """AdamW's learning rate in that fine-tuning."""
     warmup_steps: Annotated[int, at_least(0)] = 0
     """plain GRPO steps (rule ``none``, Adam, no mismatch) before the audited training."""
     audit_at: tuple[int, ...] = (0,)

@@ -21,6 +21,7 @@ from torch import nn
 from pdm_lab.advantages import group_advantages
 from pdm_lab.mask_config import MaskConfig
 
+from pdm_lab.envs.audit.sft import sft_on_accepted
 from pdm_lab.envs.problems.mismatch import Mismatch
 from pdm_lab.envs.policies.models import make_policy
 from pdm_lab.envs.problems.rollout import RolloutRNG
@@ -46,6 +47,7 @@ def training_key(cfg) -> str:
     plain = plain_config(cfg)
     doc = {"problem": repr(cfg.problem), "policy": cfg.policy, "hidden": cfg.hidden, "init_scale": cfg.init_scale,
            "context_features": cfg.context_features, "warmup_steps": cfg.warmup_steps, "mismatch": cfg.mismatch,
+           **({"sft_steps": cfg.sft_steps, "sft_lr": cfg.sft_lr} if cfg.sft_steps else {}),
            "mask": repr(plain.mask), "lr": plain.lr, "optimizer": plain.optimizer,
            "groups_per_step": plain.groups_per_step, "group_size": plain.group_size}
     return json.dumps(doc, sort_keys=True)
@@ -127,6 +129,9 @@ class TrainedPolicies:
     def _start(self, run: int):
         policy = new_policy(self.cfg, self.problem, run)
         plain = plain_config(self.cfg)
+        if self.cfg.sft_steps:  # the loop's supervised warm-up, on the policy's own accepted responses
+            sft_on_accepted(policy, self.problem, steps=self.cfg.sft_steps, lr=self.cfg.sft_lr,
+                            groups=plain.groups_per_step, group_size=plain.group_size, run=run)
         if self.cfg.warmup_steps:  # on-policy steps without mismatch, before the audited training
             warm = make_optimizer(plain.optimizer, policy.parameters(), plain.lr)
             rng = RolloutRNG(10_000 + run)

@@ -17,10 +17,11 @@ from torch import Tensor, nn
 from pdm_lab.config import one_of
 
 from pdm_lab.envs.policies.base import Rounding, cached_input, encoder_key, prior_rows
+from pdm_lab.envs.policies.qwen3 import Qwen3Policy
 from pdm_lab.envs.policies.transformer import TransformerPolicy
 from pdm_lab.envs.problems.encoders import multi_hot, ngram_index
 
-POLICY_KINDS = ("tabular", "neural", "transformer", "transformer_tied")
+POLICY_KINDS = ("tabular", "neural", "transformer", "transformer_tied", "qwen3", "qwen3_untied")
 
 
 class TabularPolicy(Rounding, nn.Module):
@@ -118,11 +119,15 @@ class NeuralPolicy(Rounding, nn.Module):
 
 def make_policy(kind: str, encoder, prior: Tensor, *, seed: int = 0, hidden: int = 64,
                 init_scale: float = 0.01, context_features: int = 0) -> nn.Module:
-    """Build a policy by name (``tabular``, ``neural``, or the causal ``transformer`` with an untied
-    or tied unembedding, ``envs.policies.transformer``; ``context_features`` is the neural policy's)."""
+    """Build a policy by name (``tabular``, ``neural``, the causal ``transformer`` with an untied or
+    tied unembedding, ``envs.policies.transformer``, or the loop's model family ``qwen3`` (tied) /
+    ``qwen3_untied``, ``envs.policies.qwen3``, which initialises as the loop's model does and reads no
+    ``init_scale``; ``context_features`` is the neural policy's)."""
     one_of("policy", kind, POLICY_KINDS)
     if kind == "tabular":
         return TabularPolicy(encoder, prior)
+    if kind.startswith("qwen3"):
+        return Qwen3Policy(encoder, prior, hidden=hidden, tied=kind == "qwen3", seed=seed)
     gen = torch.Generator().manual_seed(seed)
     if kind.startswith("transformer"):
         return TransformerPolicy(encoder, prior, hidden=hidden, tied=kind == "transformer_tied", generator=gen,

@@ -37,6 +37,27 @@ def _rms_norm(x: Tensor, weight: Tensor) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * weight
 
 
+def context_window(obs: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """[B, D] int64 token-MDP observations over n tokens → ([B, 1 + WINDOW] int64 embedding rows,
+    [B, 1 + WINDOW] bool real (not pad)): the prompt (row n + 1 + its bucket) then the last
+    ``WINDOW`` written tokens, right-aligned; pads are row n."""
+    b = obs.shape[0]
+    prompt = n + 1 + obs[:, 0] % PROMPT_BUCKETS
+    written = obs[:, 1:]
+    count = (written != n).sum(dim=1) if written.shape[1] else torch.zeros(b, dtype=torch.long)
+    slot = torch.arange(WINDOW)
+    take = count[:, None] - WINDOW + slot  # index into written; < 0 before the first token
+    real = take >= 0
+    tokens = torch.full((b, WINDOW), n, dtype=torch.long)
+    if written.shape[1]:
+        tokens = torch.where(real, written.gather(1, take.clamp(min=0, max=written.shape[1] - 1)), tokens)
+    first = (WINDOW - count.clamp(max=WINDOW))[:, None]  # the prompt's position
+    position = torch.arange(WINDOW + 1)
+    after = torch.cat([torch.full((b, 1), n, dtype=torch.long), tokens], dim=1)  # slot p − 1 at p
+    ids = torch.where(position == first, prompt[:, None], torch.where(position > first, after, n))
+    return ids, position >= first
+
+
 class TransformerPolicy(Rounding, nn.Module):
     """logits = prior[s] + W h + b with h a causal transformer's last hidden state.
 
@@ -87,23 +108,8 @@ class TransformerPolicy(Rounding, nn.Module):
         return self.unembedding().T
 
     def context(self, obs: Tensor) -> tuple[Tensor, Tensor]:
-        """[B, D] int64 → ([B, 1 + WINDOW] int64 embedding rows, [B, 1 + WINDOW] bool real (not pad)):
-        the prompt then the last ``WINDOW`` written tokens, right-aligned."""
-        n, b = self.vocab, obs.shape[0]
-        prompt = n + 1 + obs[:, 0] % PROMPT_BUCKETS
-        written = obs[:, 1:]
-        count = (written != n).sum(dim=1) if written.shape[1] else torch.zeros(b, dtype=torch.long)
-        slot = torch.arange(WINDOW)
-        take = count[:, None] - WINDOW + slot  # index into written; < 0 before the first token
-        real = take >= 0
-        tokens = torch.full((b, WINDOW), n, dtype=torch.long)
-        if written.shape[1]:
-            tokens = torch.where(real, written.gather(1, take.clamp(min=0, max=written.shape[1] - 1)), tokens)
-        first = (WINDOW - count.clamp(max=WINDOW))[:, None]  # the prompt's position
-        position = torch.arange(WINDOW + 1)
-        after = torch.cat([torch.full((b, 1), n, dtype=torch.long), tokens], dim=1)  # slot p − 1 at p
-        ids = torch.where(position == first, prompt[:, None], torch.where(position > first, after, n))
-        return ids, position >= first
+        """``context_window`` over this policy's vocabulary."""
+        return context_window(obs, self.vocab)
 
     def hidden_state(self, obs: Tensor) -> Tensor:
         """[B, D] int64 → [B, d] the final normed hidden state at the last position."""

@@ -61,9 +61,10 @@ class TrainConfig:
     problem: ProblemConfig = field(default_factory=ProblemConfig)
     """the environment (bandit or token MDP) and its arguments."""
     policy: str = "tabular"
-    """``tabular`` or ``neural``."""
+    """``tabular``, ``neural``, ``transformer``/``transformer_tied`` or ``qwen3``/``qwen3_untied``
+    (``envs.policies.models.make_policy``)."""
     hidden: Annotated[int, at_least(1)] = 64
-    """hidden width of the neural policy."""
+    """hidden width of a network policy."""
     mask: MaskConfig = field(default_factory=MaskConfig)
     """mask rule, δ, K, convention, estimator, aggregation (pdm_lab.mask_config.MaskConfig)."""
     mismatch: str = "none"
