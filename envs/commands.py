@@ -16,10 +16,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from pdm_lab.runtime.cli import int_at_least, integer
+from pdm_lab.cli.main import int_at_least, integer
 from pdm_lab.config import ConfigError, from_dict, to_dict
-from pdm_lab.runtime.wandb_log import add_wandb_arguments, wandb_config_from_args
-from pdm_lab.runtime.yaml_config import apply_overrides, read_yaml
+from pdm_lab.lab.wandb_log import add_wandb_arguments, wandb_config_from_args
+from pdm_lab.lab.yaml_config import apply_overrides, read_yaml
 
 #: Exit status of a command that finished but some of whose runs went non-finite (NaN or inf
 #: parameters or loss): its results are written, and say which.
@@ -174,7 +174,7 @@ def audit_main(args: argparse.Namespace) -> int:
 
 
 def sweep_main(args: argparse.Namespace) -> int:
-    from pdm_lab.runtime.results import ResultsError
+    from pdm_lab.lab.results import ResultsError
 
     from pdm_lab.envs.sweep.executors import make_executor
     from .pipeline import sweep_to_dir

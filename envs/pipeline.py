@@ -6,14 +6,14 @@ import json
 import time
 from pathlib import Path
 
-from pdm_lab.runtime.locking import DirLock
+from pdm_lab.lab.locking import DirLock
 
 from pdm_lab.envs.audit.study import AuditConfig, run_audit
 from pdm_lab.envs.report.plots import audit_figures, sweep_figures
-from pdm_lab.runtime.records import write_json_atomic
+from pdm_lab.lab.records import write_json_atomic
 from pdm_lab.envs.report.sweep_report import write_report
 from pdm_lab.envs.sweep.grid import SweepConfig, claim_out, load_runs, run_sweep
-from pdm_lab.runtime.outputs import OutputPathError, move_aside as outputs_move_aside
+from pdm_lab.lab.outputs import OutputPathError, move_aside as outputs_move_aside
 
 
 def audit_to_dir(cfg: AuditConfig, out: str | Path, *, progress: bool = True, wandb=None) -> dict:

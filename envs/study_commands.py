@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from pdm_lab.config import ConfigError, in_range
-from pdm_lab.runtime.cli import int_at_least, integer, number
-from pdm_lab.runtime.outputs import write_output
-from pdm_lab.runtime.wandb_log import add_wandb_arguments, wandb_config_from_args
+from pdm_lab.cli.main import int_at_least, integer, number
+from pdm_lab.lab.outputs import write_output
+from pdm_lab.lab.wandb_log import add_wandb_arguments, wandb_config_from_args
 
 from pdm_lab.envs.audit.config import AuditConfig
 # Modules, not their functions: a name bound at import would keep whatever the module held then
@@ -81,6 +81,8 @@ def calibrate_main(args) -> int:
             print(f"strength for an outside fraction of {100 * args.target:.3f}%: {spec}")
         table = calibrate.toy_table(cfg, args.seeds)
     print(calibrate.format_table(table))
+    if "mini_batches" in table:  # a run's table: its regime per mini-batch j, and the pooled row compared
+        print(calibrate.format_mini_batches(table))
     if "probe" in table:
         print(format_probe_report(table["probe"]))
     path = write_output(args.out / "calibration.json", json.dumps(table, indent=2) + "\n")

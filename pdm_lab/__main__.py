@@ -1,5 +1,5 @@
 import sys
 
-from .runtime.cli import main
+from pdm_lab.cli.main import main
 
 sys.exit(main())

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pdm_lab.mask_config import AGGREGATIONS
-from .errors import PDMInputError, check_same, check_tensor
+from pdm_lab.errors import PDMInputError, check_same, check_tensor
+
+#: the loss aggregations (SPEC §5); ``MaskConfig.aggregation`` is one of them.
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)

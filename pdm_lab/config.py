@@ -3,7 +3,7 @@
 ``config_dataclass`` makes a frozen dataclass whose ``Annotated`` fields are range-checked;
 ``from_dict`` builds one from a mapping and refuses an unknown key, naming the key, where it was
 found and the nearest valid key; ``to_dict`` is its inverse. The YAML grammar that reads configs
-lives in ``pdm_lab.runtime.yaml_config``; the core's ``MaskConfig`` in ``pdm_lab.mask_config``.
+lives in ``pdm_lab.lab.yaml_config``; the core's ``MaskConfig`` in ``pdm_lab.mask_config``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-from .errors import UserInputError
+from pdm_lab.errors import UserInputError
 
 T = TypeVar("T")
 

@@ -30,11 +30,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from .divergence import topk_kl
-from .errors import PDMInputError, check_same, check_tensor, raise_at
-from .masks import outside_region
-from .policy_side import PolicyOnSupport
-from .support import Support
+from pdm_lab.divergence import topk_kl
+from pdm_lab.errors import PDMInputError, check_same, check_tensor, raise_at
+from pdm_lab.masks import outside_region
+from pdm_lab.policy_side import PolicyOnSupport
+from pdm_lab.support import Support
 
 
 @runtime_checkable

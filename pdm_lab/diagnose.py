@@ -11,13 +11,13 @@ import torch
 from torch import Tensor
 
 from pdm_lab.mask_config import MaskConfig
-from .errors import check_logp, check_same, check_tensor
-from .masks import compute_mask, outside_region
-from .metrics import direction_disagreement, sign_certified
-from .policy_side import policy_on_support
-from .stats import token_stats
-from .support import support_from_full
-from .support_checks import check_full_mass
+from pdm_lab.errors import check_logp, check_same, check_tensor
+from pdm_lab.masks import compute_mask, outside_region
+from pdm_lab.metrics import direction_disagreement, sign_certified
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.token_stats import token_stats
+from pdm_lab.support import support_from_full
+from pdm_lab.support_checks import check_full_mass
 
 DIAGNOSE_MASKS = ("dppo_topk_kl", "pdm_exact", "pdm_agg", "pdm_uniform", "pdm_topk")
 

@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError
-from .numerics import exp_per_use
+from pdm_lab.errors import PDMInputError
+from pdm_lab.numerics import exp_per_use
 
 
 @dataclass(frozen=True)

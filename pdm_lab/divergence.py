@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .numerics import log1mexp, xlogy_ratio
+from pdm_lab.numerics import log1mexp, xlogy_ratio
 
 
 def topk_kl(mu_logp: Tensor, pi_logp: Tensor, mu_tail_logp: Tensor, pi_tail_logp: Tensor, *,

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError
-from .fast.rowops import order_rows
-from .padding import PAD_ID, PAD_LOGP, PAD_SAMPLED, PAD_SAMPLED_LOGP, pad_to_length
+from pdm_lab.errors import PDMInputError
+from pdm_lab.fast.rowops import order_rows
+from pdm_lab.padding import PAD_ID, PAD_LOGP, PAD_SAMPLED, PAD_SAMPLED_LOGP, pad_to_length
 
 _FILL = {"ids": PAD_ID, "logp": PAD_LOGP, "sampled": PAD_SAMPLED, "sampled_logp": PAD_SAMPLED_LOGP}
 

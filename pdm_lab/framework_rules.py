@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .masks import register_mask
+from pdm_lab.mask_registry import _register_builtin
 
 if TYPE_CHECKING:
-    from .stats import TokenStats
+    from pdm_lab.token_stats import TokenStats
 
 #: Per-token statistics the band rules threshold (SPEC §4b).
 BAND_STATISTICS = ("k1", "k2", "k3", "topk_kl")
@@ -92,7 +92,7 @@ def veto(stats: "TokenStats", response_mask: Tensor, cfg: Any) -> Tensor:
     return (low & response_mask.bool()).any(dim=1)
 
 
-@register_mask("ppo_clip_dual")
+@_register_builtin("ppo_clip_dual")
 def mask_ppo_clip_dual(stats: "TokenStats", advantages: Tensor, cfg: Any) -> Tensor:
     """Dual-clip PPO (verl): ppo_clip, plus drop Â<0 ∧ r > c (``dual_clip_c``, verl: 3)."""
     r = stats.ratio
@@ -109,37 +109,37 @@ def sequence_band_drop(statistic: str, how: str, stats: "TokenStats", advantages
     return _broadcast(drop, advantages, response_mask)
 
 
-@register_mask("seq_k1", level="sequence")
+@_register_builtin("seq_k1", level="sequence")
 def mask_seq_k1(stats, advantages, cfg, response_mask):
     """Sequence rejection (verl rollout correction): seq_agg of k1 = log r outside the band, or vetoed."""
     return sequence_band_drop("k1", cfg.seq_agg, stats, advantages, cfg, response_mask)
 
 
-@register_mask("seq_k2", level="sequence")
+@_register_builtin("seq_k2", level="sequence")
 def mask_seq_k2(stats, advantages, cfg, response_mask):
     """Sequence rejection (verl rollout correction): seq_agg of k2 = ½(log r)² outside the band, or vetoed."""
     return sequence_band_drop("k2", cfg.seq_agg, stats, advantages, cfg, response_mask)
 
 
-@register_mask("seq_k3", level="sequence")
+@_register_builtin("seq_k3", level="sequence")
 def mask_seq_k3(stats, advantages, cfg, response_mask):
     """Sequence rejection (verl rollout correction): seq_agg of k3 = (r−1) − log r outside the band, or vetoed."""
     return sequence_band_drop("k3", cfg.seq_agg, stats, advantages, cfg, response_mask)
 
 
-@register_mask("seq_topk_kl", divergence="topk_kl", support="topk", uses_k=True, level="sequence")
+@_register_builtin("seq_topk_kl", divergence="topk_kl", support="topk", uses_k=True, level="sequence")
 def mask_seq_topk_kl(stats, advantages, cfg, response_mask):
     """Sequence rejection (verl rollout correction): seq_agg of the top-K KL D outside the band, or vetoed."""
     return sequence_band_drop("topk_kl", cfg.seq_agg, stats, advantages, cfg, response_mask)
 
 
-@register_mask("seq_geo_mean", level="sequence")
+@_register_builtin("seq_geo_mean", level="sequence")
 def mask_seq_geo_mean(stats, advantages, cfg, response_mask):
     """Geometric-mean ratio test (verl): the mean of k1 over a response outside the band, or vetoed."""
     return sequence_band_drop("k1", "mean", stats, advantages, cfg, response_mask)
 
 
-@register_mask("opsm", level="sequence")
+@_register_builtin("opsm", level="sequence")
 def mask_opsm(stats, advantages, cfg, response_mask):
     """OPSM (slime): drop a response with Â<0 whose mean of log μ_k − log π_k exceeds opsm_delta."""
     seq_kl = per_sequence(-stats.log_ratio, response_mask, "mean")
@@ -152,19 +152,19 @@ def token_band_drop(statistic: str, stats: "TokenStats", advantages: Tensor, cfg
     return outside_band(k_statistic(stats, statistic), cfg) & (advantages != 0)
 
 
-@register_mask("token_k1")
+@_register_builtin("token_k1")
 def mask_token_k1(stats, advantages, cfg):
     """Token rejection (verl token_k1): drop log r ∉ [band_low, band_high]."""
     return token_band_drop("k1", stats, advantages, cfg)
 
 
-@register_mask("token_k2")
+@_register_builtin("token_k2")
 def mask_token_k2(stats, advantages, cfg):
     """Token rejection (verl token_k2): drop ½(log r)² ∉ [band_low, band_high]."""
     return token_band_drop("k2", stats, advantages, cfg)
 
 
-@register_mask("token_k3")
+@_register_builtin("token_k3")
 def mask_token_k3(stats, advantages, cfg):
     """Token rejection (verl token_k3): drop (r−1) − log r ∉ [band_low, band_high]."""
     return token_band_drop("k3", stats, advantages, cfg)

@@ -1,7 +1,7 @@
 """The head-kernel term of the kernel-aware direction test (SPEC §6d), for rule ``pdm_kernel``.
 
 A network moves a token's own logits along K v, not v (v = e_k − π). The own-update probe
-(``pdm_lab.probe``) fits K v ≈ a·v + b·W Wᵀ v (W [V, d] the unembedding: the hidden state's part
+(``pdm_lab.audit.probe``) fits K v ≈ a·v + b·W Wᵀ v (W [V, d] the unembedding: the hidden state's part
 of the kernel) and scores the kernel-aware test Â·⟨g, (a·I + b·W Wᵀ) v⟩, g = ∇_z D the gradient
 of the top-K KL over the processed logits. With λ = b/a (a > 0),
 
@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .coupled import differentiable_topk_kl
-from .errors import PDMInputError, check_tensor
-from .policy_side import policy_on_support
-from .support import Support
+from pdm_lab.coupled import differentiable_topk_kl
+from pdm_lab.errors import PDMInputError, check_tensor
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.support import Support
 
 __all__ = ["kernel_scores", "own_direction", "topk_kl_logit_grad"]
 

@@ -9,16 +9,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .aggregation import DPInfo, aggregate
-from .fast.compiled import compile_default, maybe_compiled, one_thread
+from pdm_lab.aggregation import DPInfo, aggregate
+from pdm_lab.fast.compiled import compile_default, maybe_compiled, one_thread
 from pdm_lab.mask_config import MaskConfig
-from .errors import PDMInputError, check_same, check_tensor
-from .loss_checks import check_loss_finite, check_loss_inputs
-from .masks import compute_mask, get_mask_rule, outside_region
-from .metrics import MetricSums, finalize, step_metric_sums
-from .policy_side import PolicyOnSupport
-from .stats import TokenStats, token_stats
-from .support import Support
+from pdm_lab.errors import PDMInputError, check_same, check_tensor
+from pdm_lab.loss_checks import check_loss_finite, check_loss_inputs
+from pdm_lab.masks import compute_mask, get_mask_rule, outside_region
+from pdm_lab.metrics import MetricSums, finalize, step_metric_sums
+from pdm_lab.policy_side import PolicyOnSupport
+from pdm_lab.token_stats import TokenStats, token_stats
+from pdm_lab.support import Support
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError, check_not_nan, check_tensor, check_zero_one, first_position, raise_at
-from .support import Support
+from pdm_lab.errors import PDMInputError, check_not_nan, check_tensor, check_zero_one, first_position, raise_at
+from pdm_lab.support import Support
 
 
 def check_loss_inputs(support: Support, response_mask: Tensor, cfg: Any, coupled: Tensor | None,
@@ -73,7 +73,7 @@ def gradient_flags(named_parameters: Iterable[tuple[str, Tensor]]) -> tuple[dict
     """``{"grad/nonfinite": entries of NaN or ±inf gradient over the parameters}`` (a metric sum)
     and the first offending parameter's name and position (None when all are finite). Call after
     ``backward()``: the step that follows would write them into the weights."""
-    from .metrics import metric
+    from pdm_lab.metrics import metric
 
     total, first = 0, None
     for name, param in named_parameters:

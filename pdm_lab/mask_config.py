@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from .config import ConfigError, at_least, config_dataclass, greater_than, non_negative, one_of, positive
-from .direction import DDOT_ESTIMATORS
-from .masks import MASK_RULES, MaskRule
-from .support import CONVENTIONS
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from pdm_lab.aggregation import AGGREGATIONS
+from pdm_lab.config import ConfigError, at_least, config_dataclass, greater_than, non_negative, one_of, positive
+from pdm_lab.direction import DDOT_ESTIMATORS
+from pdm_lab.masks import MASK_RULES, MaskRule
+from pdm_lab.support import CONVENTIONS
 
 
 @config_dataclass("mask")
@@ -89,7 +88,7 @@ class MaskConfig:
 
 
 def _check_framework_fields(cfg: MaskConfig) -> None:
-    from .framework_rules import BAND_RULES, SEQ_AGGREGATIONS
+    from pdm_lab.framework_rules import BAND_RULES, SEQ_AGGREGATIONS
 
     one_of("mask.seq_agg", cfg.seq_agg, SEQ_AGGREGATIONS)
     if cfg.band_low is not None and cfg.band_high is not None and cfg.band_low > cfg.band_high:

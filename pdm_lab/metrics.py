@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import Tensor
 
-from .masks import outside_region
-from .rollout_corr import ROLLOUT_CORR_KEYS, rollout_corr_terms
-from .fast.rowops import all_true
+from pdm_lab.masks import outside_region
+from pdm_lab.rollout_corr import ROLLOUT_CORR_KEYS, rollout_corr_terms
+from pdm_lab.fast.rowops import all_true
 
 if TYPE_CHECKING:
-    from .stats import TokenStats
+    from pdm_lab.token_stats import TokenStats
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 
@@ -157,8 +157,13 @@ MISMATCH_KEYS = {"div/topk_kl_mean": "mismatch/topk_kl_mean", "div/topk_kl_max":
 
 def as_mismatch(sums: Mapping[str, Metric]) -> MetricSums:
     """Step metrics of the batch before any update, as ``mismatch/*`` keys (``MISMATCH_KEYS``),
-    and the rollout-correction ones under verl's ``rollout_corr/*`` keys (``ROLLOUT_CORR_KEYS``)."""
-    return {**rename(sums, MISMATCH_KEYS), **rename(sums, ROLLOUT_CORR_KEYS)}
+    and the rollout-correction ones under verl's ``rollout_corr/*`` keys (``ROLLOUT_CORR_KEYS``).
+    verl computes its ``rollout_is_*`` statistics only with a rollout IS threshold; here that is
+    the cap ``clip_ratio_c``: without one (no ``corr/is_frac_high``), no ``rollout_corr/rollout_is_*``
+    key (the uncapped ``corr/is_*`` stay under pdm_lab's own names)."""
+    corr = ROLLOUT_CORR_KEYS if "corr/is_frac_high" in sums else {
+        k: v for k, v in ROLLOUT_CORR_KEYS.items() if not v.startswith("rollout_corr/rollout_is_")}
+    return {**rename(sums, MISMATCH_KEYS), **rename(sums, corr)}
 
 
 def all_reduce_metrics(sums: Mapping[str, Metric], group=None) -> MetricSums:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .policy_side import PolicyOnSupport
-from .support import Support
+from pdm_lab.policy_side import PolicyOnSupport
+from pdm_lab.support import Support
 
 PAD_ID = -1
 PAD_LOGP = float("-inf")

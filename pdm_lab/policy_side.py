@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError, check_logp, check_same, check_tensor, raise_at
-from .fast.compiled import maybe_compiled
-from .fast.rowops import any_duplicate
-from .numerics import masked_logsumexp
-from .sampling_mask import SamplingMask, forced_keep, sampling_keep
-from .support_checks import outside, raise_duplicate_ids
+from pdm_lab.errors import PDMInputError, check_logp, check_same, check_tensor, raise_at
+from pdm_lab.fast.compiled import maybe_compiled
+from pdm_lab.fast.rowops import any_duplicate
+from pdm_lab.numerics import masked_logsumexp
+from pdm_lab.sampling_mask import SamplingMask, forced_keep, sampling_keep
+from pdm_lab.support_checks import outside, raise_duplicate_ids
 
 #: Elements of one float32 chunk of logits (4 MiB): a few such temporaries bound peak memory.
 CHUNK_ELEMENTS = 1 << 20

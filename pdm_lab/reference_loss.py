@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from pdm_lab.mask_config import MaskConfig
-from .errors import PDMInputError
-from .masks import get_mask_rule, mask_icepop, mask_none, mask_ppo_clip
+from pdm_lab.errors import PDMInputError
+from pdm_lab.masks import get_mask_rule, mask_icepop, mask_none, mask_ppo_clip
 
 
 def pdm_policy_loss_reference(logits: Tensor, topk_ids: Tensor, topk_logp: Tensor, sampled: Tensor,

@@ -1,7 +1,7 @@
 """A mask rule's declared record, and its check against what the drop function does (SPEC §4).
 
 The record is declared at registration (``register_mask``'s keywords; a keyword left out
-declares its default, the plain ratio rule's value) and checked against ``rule_probe.observe``:
+declares its default, the plain ratio rule's value) and checked against ``rule_check.observe``:
 
 ====================  ============================================================  ==========
 field                 what it says                                                  checked by
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .direction import DDOT_ESTIMATORS
-from .rule_probe import DELTA_FIELDS, K_FIELDS, LEVELS, Observation, RuleRecordError
+from pdm_lab.direction import DDOT_ESTIMATORS
+from pdm_lab.rule_check import DELTA_FIELDS, K_FIELDS, LEVELS, Observation, RuleRecordError
 
 #: The per-token divergences a rule may threshold: attribute names of ``TokenStats``.
 DIVERGENCES = ("topk_kl", "topk_tv", "binary_kl", "binary_tv")
@@ -67,7 +67,7 @@ def resolve_declaration(name: str, given: dict[str, Any], like: dict[str, Any] |
 
 
 def observed_facts(name: str, seen: Observation) -> dict[str, Any]:
-    """The record's fields as the probe set shows them (``level`` excepted: the signature's)."""
+    """The record's fields as the check set shows them (``level`` excepted: the signature's)."""
     reads = seen.stats_reads
     divergences = [d for d in DIVERGENCES if d in reads]
     estimators = sorted(r[len("ddot["):-1] for r in reads if r.startswith("ddot["))
@@ -93,18 +93,18 @@ def observed_facts(name: str, seen: Observation) -> dict[str, Any]:
 
 
 def _evidence(field: str, seen: Observation) -> str:
-    """Why the probe set gives ``field`` its value, in a few words."""
+    """Why the check set gives ``field`` its value, in a few words."""
     if field == "uses_k":
         if seen.cfg_reads & set(K_FIELDS):
             return f"its function reads {', '.join(f'cfg.{f}' for f in sorted(seen.cfg_reads & set(K_FIELDS)))}"
         return ("its drops change between the probe's K and conventions" if seen.varies_with_k
-                else "its drops are the same for every K and convention on the probe set")
+                else "its drops are the same for every K and convention on the check set")
     read = sorted(seen.stats_reads) + [f"cfg.{c}" for c in sorted(seen.cfg_reads)]
     return f"its function reads {', '.join(read) or 'nothing'}"
 
 
 def check_declaration(name: str, declared: dict[str, Any], given: set[str], seen: Observation) -> None:
-    """Refuse (``RuleRecordError``, one line naming the field) a declaration the probe set contradicts."""
+    """Refuse (``RuleRecordError``, one line naming the field) a declaration the check set contradicts."""
     facts = observed_facts(name, seen)
     for field in FIELDS:
         if field == "level" or declared[field] == facts[field]:

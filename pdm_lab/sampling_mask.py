@@ -45,8 +45,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError
-from .support import Support
+from pdm_lab.errors import PDMInputError
+from pdm_lab.support import Support
 
 _NEG_INF = float("-inf")
 

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import support_checks as checks
-from .fast import compiled as compiled_mod
-from .fast.compiled import maybe_compiled
-from .errors import logp_tolerance
-from .numerics import log1mexp, masked_logsumexp
-from .fast.rowops import (all_true, any_duplicate, any_true, append_column, first_true, head_log_mass, order_rows,
+from pdm_lab import support_checks as checks
+from pdm_lab.fast import compiled as compiled_mod
+from pdm_lab.fast.compiled import maybe_compiled
+from pdm_lab.errors import logp_tolerance
+from pdm_lab.numerics import log1mexp, masked_logsumexp
+from pdm_lab.fast.rowops import (all_true, any_duplicate, any_true, append_column, first_true, head_log_mass, order_rows,
                      rows_out_of_order, when)
-from .support_checks import CONVENTIONS  # noqa: F401  (re-exported: the conventions' names)
+from pdm_lab.support_checks import CONVENTIONS  # noqa: F401  (re-exported: the conventions' names)
 
 _NEG_INF = float("-inf")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError, check_logp, check_same, check_tensor, logp_tolerance, raise_at
-from .fast.rowops import all_true, any_true, first_true, head_log_mass
+from pdm_lab.errors import PDMInputError, check_logp, check_same, check_tensor, logp_tolerance, raise_at
+from pdm_lab.fast.rowops import all_true, any_true, first_true, head_log_mass
 
 CONVENTIONS = ("union", "kslot")
 _NEG_INF = float("-inf")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdm_lab.lab.outputs import write_output
 from pdm_lab.config import at_least
-from pdm_lab.runtime.cli import integer
+from pdm_lab.cli.main import integer
 
 from .runner import ClaimResult, run_proofs, select_claims
 
@@ -65,6 +66,8 @@ def prove(args: argparse.Namespace) -> int:
         for item in chosen:
             print(f"{item.name:<40} {item.statement}")
         return 0
+    # the report's path is checked before minutes of proofs: an unwritable --out is one line, exit 2
+    write_output(args.out, "# pdm-lab prove: running\n")
     report = run_proofs(only=args.only, seed=args.seed, out=args.out, progress=_progress(len(chosen)))
     print(report.table())
     print(f"report written to {args.out}")

@@ -15,7 +15,7 @@ from torch import Tensor
 import pdm_lab
 from pdm_lab import direction, divergence
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.stats import token_stats
+from pdm_lab.token_stats import token_stats
 from pdm_lab.support import support_from_topk
 
 from .reference import Instance

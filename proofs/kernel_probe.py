@@ -1,7 +1,7 @@
 """SPEC §6d: the logit kernel K and what it does to the direction tests.
 
 Four claims, each proved with sympy on small instances and checked numerically in float64 through
-pdm_lab's own code (``pdm_lab.probe``, ``pdm_lab.probe_kernel``) against a 50-digit reference:
+pdm_lab's own code (``pdm_lab.audit.probe``, ``pdm_lab.audit.probe_kernel``) against a 50-digit reference:
 
 * the ratio test is the first-order rule for |log r| under every PSD kernel (vᵀ K v ≥ 0);
 * PDM's Ḋ is the K = I case of ⟨∇_z D, K v⟩;
@@ -16,8 +16,8 @@ from mpmath import mp
 
 from pdm_lab.masks import predictive_outward, ratio_outward
 from pdm_lab.policy_side import PolicyOnSupport, policy_on_support
-from pdm_lab.probe import FunctionalKernel, divergence_grads, own_direction
-from pdm_lab.stats import token_stats
+from pdm_lab.audit.probe import FunctionalKernel, divergence_grads, own_direction
+from pdm_lab.token_stats import token_stats
 from pdm_lab.support import support_from_full
 
 from .reference import random_logits, softmax
@@ -50,7 +50,7 @@ def _stats(z, mu, support):
                        mu_full=mu, pi_full=torch.log_softmax(z, -1))
 
 
-@claim("ratio_test_kernel_invariant", method="sympy n=2..4, generic PSD K + pdm_lab.probe_kernel float64")
+@claim("ratio_test_kernel_invariant", method="sympy n=2..4, generic PSD K + pdm_lab.audit.probe_kernel float64")
 def ratio_test_kernel_invariant(check: Checker) -> None:
     """For every PSD kernel K, d log π_k/dη along z + η K v (v = e_k − π) is vᵀ K v ≥ 0, so the
     ratio test Â(r − 1) > 0 is the exact first-order rule for the per-token |log r| under any K.
@@ -90,7 +90,7 @@ def ratio_test_kernel_invariant(check: Checker) -> None:
                    f"trial {trial}: ratio_outward = sign of d|log r| along the own update")
 
 
-@claim("pdm_is_identity_kernel_case", method="sympy n=2..4, generic K + pdm_lab.probe float64 vs Ḋ estimators")
+@claim("pdm_is_identity_kernel_case", method="sympy n=2..4, generic K + pdm_lab.audit.probe float64 vs Ḋ estimators")
 def pdm_is_identity_kernel_case(check: Checker) -> None:
     """To first order the own update changes KL(μ‖π) by ⟨∇_z D, K v⟩ = ⟨π − μ, K v⟩; at K = I this
     is Ḋ = (π_k − μ_k) + Σ_i π_i(μ_i − π_i), and for the top-K KL it is Ḋ_topk.
@@ -165,7 +165,7 @@ def sign_step_fact(check: Checker) -> None:
             check.note("on a sign step PDM's Ḋ_exact disagrees with the realised first-order ΔD on some rows")
 
 
-@claim("unembedding_kernel_identity", method="sympy n=3, d=2 + pdm_lab.probe_kernel float64 (K = W Wᵀ)")
+@claim("unembedding_kernel_identity", method="sympy n=3, d=2 + pdm_lab.audit.probe_kernel float64 (K = W Wᵀ)")
 def unembedding_kernel_identity(check: Checker) -> None:
     """⟨π − μ, W Wᵀ v⟩ = (Wᵀπ − Wᵀμ)·(w_k − Wᵀπ), v = e_k − π: the hidden-state part of the full
     KL's change is a dot product of two d-vectors (the kernel-aware test's W Wᵀ term).

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import mpmath
 
+from pdm_lab.lab.outputs import write_output
+
 from .reference import PRECISION
 from .registry import CLAIMS, Checker, Claim, ClaimFailed
 
@@ -150,7 +152,5 @@ def run_proofs(*, only: str | None = None, seed: int = 0, out: str | Path | None
             progress(result)
     report = ProofReport(results=tuple(results), seed=seed, seconds=time.perf_counter() - start)
     if out is not None:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(report.markdown(), encoding="utf-8")
+        write_output(out, report.markdown())
     return report

@@ -1,5 +1,5 @@
 """The own-update probe's view of the loop's policy (SPEC §6d): the probed rows' processed logits
-z = h·Wᵀ/T with lm_head in float64, and a ``pdm_lab.probe_kernel.InPlaceKernel`` over them.
+z = h·Wᵀ/T with lm_head in float64, and a ``pdm_lab.audit.probe_kernel.InPlaceKernel`` over them.
 
 The decoder runs through ``PolicyModel.forward`` (so FSDP gathers and reshards as in training);
 a forward hook on the decoder keeps its last hidden state, from which the probed rows' full
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pdm_lab.audit_live import ProbeView, support_in_float64
-from pdm_lab.probe_kernel import InPlaceKernel
+from pdm_lab.audit.live import ProbeView, support_in_float64
+from pdm_lab.audit.probe_kernel import InPlaceKernel
 from pdm_lab.support import support_from_topk
 
 from .policy_model import DTYPES

@@ -1,19 +1,29 @@
 """The direction audit on the loop's live batch (SPEC §6, §6c), under FSDP2 or on one rank.
 
-Per audited step, before the real update, on this rank's whole rollout batch:
+Per audited step, at the audited mini-batch j (``audit.mini_batch``: ``first``, ``last`` — the
+default —, ``all`` or an index): ``MiniBatchAudit`` is ``train_step.update_policy``'s
+``before_step`` hook, so the audit runs inside the real update's mini-batch loop just before
+mini-batch j's real step — the run's state when its mask acts on mini-batch j, after this batch's
+first j real optimiser steps with their AdamW state (SPEC §6c) — on this rank's rows of mini-batch
+j (the real step's rows, micro-batched the same way; the first ``audit.sequences`` of them when
+set). The record carries ``mini_batch`` and the ``state_fingerprint`` of the parameters it
+snapshotted. Then:
 
 1. snapshot the parameters (local shards), AdamW's state, its param-group settings and the RNG
-   to host memory (``pdm_lab.audit_live.HostSnapshot``);
+   to host memory (``pdm_lab.audit.live.HostSnapshot``);
 2. D per response token at θ₀ with lm_head and the softmax in float64 (``measured_divergence``;
    the decoder runs in the trainer's dtype, deterministically, so an unmoved token has ΔD = 0);
-3. for each rule R: one optimiser step from θ₀ and the snapshot's AdamW state with R's mask
-   (``train_step.update_policy`` with one mini-batch: the run's own micro-batching, loss
+3. for each rule R: one optimiser step from θ₀ and the snapshot's AdamW state with R's mask on
+   mini-batch j (``train_step.update_policy`` with one mini-batch: the run's own micro-batching, loss
    scaling, gradient clip and AdamW, at the run's learning rate), its keep mask read from the
    core's ``LossOutput``; D recomputed in float64; ΔD = D_after − D_before on the outside
    tokens; then the snapshot restored, bit for bit;
 4. the outside set O = {D > δ, Â ≠ 0} from the same stats the rules read (float32 π at θ₀), the
-   per-pair disagreement and each rule's rates (``pdm_lab.audit_live.step_record``, the toy
+   per-pair disagreement and each rule's rates (``pdm_lab.audit.live.step_record``, the toy
    audit's ``delta_rates`` entries), merged over ranks.
+
+The real mini-batch j then steps from the restored state: the run's weights and metrics are those
+of the same run with the audit off (``tests/test_scaling_staleness.py``).
 
 Only the top-K KL is measured: its change needs μ on the support alone, while the full KL needs
 μ's whole distribution, which the engine does not return (``full_kl`` is null in the record).
@@ -31,10 +41,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pdm_lab.aggregation import DPInfo
-from pdm_lab.audit_live import ProbeView, StepOutcome, distinct_contexts, run_live_audit, support_in_float64
+from pdm_lab.audit.live import ProbeView, StepOutcome, distinct_contexts, run_live_audit, support_in_float64
 from pdm_lab.policy_side import PolicyOnSupport
-from pdm_lab.probe_record import token_weights
-from pdm_lab.stats import token_stats
+from pdm_lab.audit.probe_record import token_weights
+from pdm_lab.token_stats import token_stats
 from pdm_lab.support import support_from_topk
 
 from .audit_probe import loop_probe_view, reshard
@@ -86,7 +96,7 @@ def _distinct_contexts(batch) -> int:
 
 
 class LoopAuditStage:
-    """The loop's side of ``pdm_lab.audit_live.run_live_audit`` on this rank's audited batch."""
+    """The loop's side of ``pdm_lab.audit.live.run_live_audit`` on this rank's audited batch."""
 
     def __init__(self, policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_size: int, pad_id: int, lr: float,
                  delta: float, device=None):
@@ -111,6 +121,8 @@ class LoopAuditStage:
             cols.append(c)
             offset += mb.response_mask.shape[0]
         self.token_seq, self.token_col = torch.cat(seqs), torch.cat(cols)
+        #: [n] Â per audited token (``run_live_audit`` reads it for an idle batch's counts)
+        self.advantages = torch.cat([mb.advantages.reshape(-1)[r] for mb, r in zip(self.micros, resp)])
 
     def step(self, rule: str, optimizer, *, lr_scale: float, zero_advantages: bool) -> StepOutcome:
         cfg = self.cfg
@@ -128,7 +140,7 @@ class LoopAuditStage:
             keep=torch.cat([o.keep.reshape(-1)[r] for o, r in zip(outs, resp)]) > 0,
             topk_kl=torch.cat([o.stats.topk_kl[r] for o, r in zip(outs, resp)]),
             mu_tail=torch.cat([o.stats.mu_tail[r] for o, r in zip(outs, resp)]),
-            advantages=torch.cat([mb.advantages.reshape(-1)[r] for mb, r in zip(self.micros, resp)]),
+            advantages=self.advantages,
             ratio=torch.cat([o.stats.ratio[r] for o, r in zip(outs, resp)]),
             weights=self.weights,
             clip_factor=1.0 if clip is None or norm is None else min(1.0, clip / (norm + 1e-6)))
@@ -143,7 +155,7 @@ class LoopAuditStage:
 
 
 def audit_live_batch(policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_size: int, pad_id: int,
-                     lr: float, device=None) -> dict:
+                     lr: float, device=None, mini_batch: int | None = None) -> dict:
     """SPEC §6 on this step's batch (module docstring); returns the merged record (every rank).
 
     Args:
@@ -152,7 +164,10 @@ def audit_live_batch(policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_si
         batch: this rank's ``RolloutBatch``; seq_adv: [B] per-sequence advantages.
         cfg: the run's TrainConfig (``audit``, ``mask``, ``trainer``, ``rollout`` sections).
         vocab_size, pad_id: as for ``update_policy``.
-        lr: the learning rate of this step's first optimiser step (the audited step takes it).
+        lr: the learning rate of the audited optimiser step (the audited step takes it).
+        mini_batch: the index j of the mini-batch ``batch`` is (its rows, at the state the run is
+            in when its mask acts on it: ``MiniBatchAudit``); the record's ``mini_batch``. None:
+            ``batch`` audited as given, from the current state.
     """
     audit = cfg.audit
     if audit.sequences is not None:  # this rank's share of the audited sequences (whole groups first)
@@ -163,14 +178,52 @@ def audit_live_batch(policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_si
                            delta=delta, device=device)
     record = run_live_audit(stage, rules=audit.rules, cfg=audit, mask_cfg=cfg.mask, delta=delta,
                             contexts=_distinct_contexts(batch), seed=getattr(cfg, "seed", 0))
-    record.update(k=cfg.mask.k,
+    record.update(k=cfg.mask.k, mini_batch=mini_batch, mini_batches=cfg.trainer.mini_batches,
                   step_doc={"optimizer": type(optimizer).__name__ + " (the run's, with its state at this step)",
                             "lr": lr, "aggregation": cfg.mask.aggregation, "grad_clip": cfg.trainer.grad_clip,
-                            "batch": "each rank's whole rollout batch as one optimiser step",
+                            "batch": ("each rank's rows of mini-batch j as one optimiser step, from the run's "
+                                      "state before its real step on j" if mini_batch is not None else
+                                      "each rank's given batch as one optimiser step"),
                             "precision": "decoder in trainer.param_dtype, lm_head + D in float64",
                             "measured": {"topk_kl": True, "full_kl": "not measured: the engine returns μ's top-K only"},
                             "probe": "K v by central differences of the decoder (lm_head in float64) at θ ± εu"})
     return record
+
+
+class MiniBatchAudit:
+    """``update_policy``'s ``before_step`` for an audited step: at each audited mini-batch j
+    (``cfg.audit.mini_batches(M)``), ``audit_live_batch`` on this rank's rows of j from the run's
+    current state, restored bit for bit before the real step on j. ``records`` holds one record per
+    audited j; ``skipped`` the one-line reasons of audits a non-finite update stopped (every rank
+    together; the state restored). ``seconds``: the time spent here (part of the update's)."""
+
+    def __init__(self, policy, optimizer, batch, seq_adv: Tensor, *, cfg, vocab_size: int, pad_id: int, lr: float,
+                 device=None):
+        self.policy, self.optimizer, self.batch, self.seq_adv = policy, optimizer, batch, seq_adv
+        self.cfg, self.vocab_size, self.pad_id, self.lr, self.device = cfg, vocab_size, pad_id, lr, device
+        self.audited = set(cfg.audit.mini_batches(cfg.trainer.mini_batches))
+        self.records: list[dict] = []
+        self.skipped: list[str] = []
+        self.seconds = 0.0
+
+    def __call__(self, mb_index: int, rows: list[int]) -> None:
+        import time
+
+        from .train_step import NonFiniteUpdate
+
+        if mb_index not in self.audited:
+            return
+        t0 = time.perf_counter()
+        try:
+            record = audit_live_batch(self.policy, self.optimizer, self.batch.select(rows), self.seq_adv[rows],
+                                      cfg=self.cfg, vocab_size=self.vocab_size, pad_id=self.pad_id, lr=self.lr,
+                                      device=self.device, mini_batch=mb_index)
+        except NonFiniteUpdate as err:  # every rank together; the snapshot was restored
+            self.skipped.append(f"mini-batch {mb_index}: {err}")
+        else:
+            record["time_s"] = time.perf_counter() - t0
+            self.records.append(record)
+        self.seconds += time.perf_counter() - t0
 
 
 def write_record(run_dir, step: int, seed: int, record: dict) -> None:
@@ -179,7 +232,7 @@ def write_record(run_dir, step: int, seed: int, record: dict) -> None:
     import json
     from pathlib import Path
 
-    from pdm_lab.audit_live import json_safe
+    from pdm_lab.audit.live import json_safe
 
     path = Path(run_dir) / "audit.jsonl"
     with path.open("a", encoding="utf-8") as fh:
@@ -228,7 +281,8 @@ def audit_memory(cfg, world: int) -> dict:
     the snapshot per rank (``host_bytes``), beyond the step's own."""
     n = parameter_count(cfg)
     per_rank = None if n is None else host_bytes(n, world)
-    return {"every": cfg.audit.every, "rules": list(cfg.audit.rules),
+    return {"every": cfg.audit.every, "rules": list(cfg.audit.rules), "mini_batch": cfg.audit.mini_batch,
+            "audited_mini_batches": list(cfg.audit.mini_batches(cfg.trainer.mini_batches)),
             "delta": cfg.mask.delta if cfg.audit.delta is None else cfg.audit.delta, "k": cfg.mask.k,
             "parameters": n, "ranks": world,
             "host_snapshot_gib_per_rank": None if per_rank is None else round(per_rank / 2 ** 30, 3),

@@ -1,6 +1,7 @@
 """``pdm-lab train`` and ``pdm-lab promote``: thin command lines over the scaling library.
 
     pdm-lab train --config scaling/configs/tiny-cpu.yaml [key.path=value ...] [--dry-run]
+    pdm-lab train --config tiny-cpu --dry-run      # a packaged config by name (from any folder)
     pdm-lab promote SWEEP_DIR --base scaling/configs/qwen3-4b-base-dapo.yaml --out FILE.yaml
 
 Also runnable without the top-level CLI: ``python -m pdm_lab.scaling.commands train ...``.
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pdm_lab.config import ConfigError, at_least, non_negative
-from pdm_lab.runtime.cli import integer, number
+from pdm_lab.cli.main import integer, number
 
 
 def _fail(msg: str) -> int:
@@ -28,11 +29,36 @@ def _naming(path, err: BaseException) -> str:
     return str(err) if str(path) in str(err) else f"{path}: {err}"
 
 
+def packaged_configs() -> list[str]:
+    """The configs shipped in the package (``pdm_lab/scaling/configs/*.yaml``), by file name."""
+    from importlib.resources import files
+
+    return sorted(p.name for p in files("pdm_lab.scaling.configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_config(text: str) -> str:
+    """``--config``: a file that exists (relative to the current folder) is used as it is; else a
+    bare name (``tiny-cpu`` or ``tiny-cpu.yaml``) is the packaged config of that name; else the
+    text unchanged (loading it fails naming it and the packaged configs)."""
+    path = Path(text)
+    if path.exists() or path.parent != Path("."):
+        return text
+    from importlib.resources import files
+
+    name = text if text.endswith((".yaml", ".yml")) else f"{text}.yaml"
+    packaged = files("pdm_lab.scaling.configs") / name
+    return str(packaged) if packaged.is_file() else text
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .assets import ModelPathError
     from .config import load_config
     from .data import DataError
 
+    args.config = resolve_config(args.config)
+    if not Path(args.config).exists():
+        return _fail(f"--config {args.config}: no such file, and no packaged config of that name "
+                     f"(packaged: {', '.join(n.removesuffix('.yaml') for n in packaged_configs())})")
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as err:
@@ -42,7 +68,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from .dryrun import dry_run, format_report
 
         try:
-            report = dry_run(cfg, nproc=args.nproc)
+            report = dry_run(cfg, nproc=args.nproc, source=args.config, overrides=args.overrides)
         except (ConfigError, DataError, ModelPathError) as err:
             return _fail(f"dry run of {args.config} failed: {err}")
         print(format_report(report), end="")
@@ -58,7 +84,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from pdm_lab.runtime.results import ResultsError
+    from pdm_lab.lab.results import ResultsError
 
     from .promote import check_out_paths, promote
 
@@ -86,7 +112,9 @@ def register_train(subparsers) -> None:
         "train", help="RL training: vLLM rollouts + FSDP2 trainer + the PDM mask (scaling stage)",
         description="Run (or --dry-run) a full RL training loop from a YAML config. Overrides are "
                     "key.path=value (YAML values), e.g. total_steps=3 mask.rule=dppo_topk_kl.")
-    p.add_argument("--config", required=True, help="YAML config (see scaling/configs/)")
+    p.add_argument("--config", required=True,
+                   help="YAML config file, or the name of a packaged one (tiny-cpu, tiny-llm, "
+                        "tiny-llm-0.6b-gpu, qwen3-4b-base-dapo, …: pdm_lab/scaling/configs/)")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides")
     p.add_argument("--dry-run", action="store_true",
                    help="validate config, model config, tokenizer and data; load no weights")
@@ -119,6 +147,11 @@ def register_promote(subparsers) -> None:
     q.add_argument("--force", action="store_true",
                    help="write --out even over an input (results.json, --base) or a file promote did not write")
     q.set_defaults(func=cmd_promote)
+
+
+# the extra each command needs (``pdm-lab --help`` lists it beside the command)
+register_train.extras = ("scaling",)
+register_promote.extras = ("scaling",)
 
 
 def register(subparsers) -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 # the ``audit:`` section (SPEC §6c) is the core's, shared with the TRL trainer's audit
-from pdm_lab.audit_live import LiveAuditConfig as AuditConfig
+from pdm_lab.audit.live import LiveAuditConfig as AuditConfig
 from pdm_lab.config import ConfigError, at_least, config_dataclass, from_dict, in_range, non_negative, one_of, positive, to_dict
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.masks import MASK_RULES
-from pdm_lab.runtime.wandb_log import WandbConfig
-from pdm_lab.runtime.yaml_config import apply_overrides, dump_yaml, read_yaml
+from pdm_lab.lab.wandb_log import WandbConfig
+from pdm_lab.lab.yaml_config import apply_overrides, dump_yaml, read_yaml
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 TRAIN_DTYPES = ("fp32", "bf16")
@@ -352,7 +352,7 @@ class LogConfig:
     print_every: Annotated[int, at_least(1)] = 1
     """Progress line every this many steps."""
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
-    """Weights & Biases (``pdm_lab.runtime.wandb_log``): off by default; ``log.wandb.mode=offline``
+    """Weights & Biases (``pdm_lab.lab.wandb_log``): off by default; ``log.wandb.mode=offline``
     or a ``project`` turns it on (offline unless ``mode: online``)."""
 
 
@@ -435,7 +435,7 @@ class TrainConfig:
     """Set by ``pdm-lab promote``; informational."""
 
     def __post_init__(self) -> None:
-        from pdm_lab.runtime.outputs import check_name
+        from pdm_lab.lab.outputs import check_name
 
         check_name(self.name, "name")  # runs/<name> stays inside runs/
         kernel_rules = [("mask.rule", self.mask.rule)] if "kernel" in self.mask.rule_record.needs else []
@@ -447,6 +447,8 @@ class TrainConfig:
             raise ConfigError(f"rollout.keep_sampling_mask: {where} {rule!r} computes c_t = ⟨Wᵀg, Wᵀv⟩ on the full "
                               "softmax, not on the engine's sampling set; set rollout.keep_sampling_mask: false "
                               "or sample without a top-k/top-p/min-p cut")
+        if self.audit.every:  # an index past the step's mini-batches audits nothing
+            self.audit.mini_batches(self.trainer.mini_batches)
         samples = self.rollout.prompts_per_step * self.rollout.group_size
         if self.trainer.mini_batches > samples:  # an empty mini-batch is no optimiser step
             raise ConfigError(f"trainer.mini_batches: {self.trainer.mini_batches} exceeds the samples per step "
@@ -470,7 +472,7 @@ class TrainConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Load a TrainConfig from YAML plus ``key.path=value`` overrides (``pdm_lab.runtime.yaml_config.read_yaml``:
+    """Load a TrainConfig from YAML plus ``key.path=value`` overrides (``pdm_lab.lab.yaml_config.read_yaml``:
     safe loading, YAML 1.2 numbers, no duplicate keys or aliases).
 
     ``plugins`` listed in the file or the overrides are imported first, so a plugin may register

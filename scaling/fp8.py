@@ -13,7 +13,7 @@ the engine dtype, as in common FP8 checkpoints.
 rounded to e4m3 with a dynamic scale (amax/448) per token row (``per_token``, as vLLM's
 per-token dynamic FP8) or one per call over the whole batch of tokens (``per_tensor``, vLLM's
 default dynamic scheme; μ then depends on which tokens share the forward pass). The rounding is the
-core's (``pdm_lab.quantize.quantize_dequantize_groups``); ``install_activation_quant`` puts it in
+core's (``pdm_lab.lab.quantize.quantize_dequantize_groups``); ``install_activation_quant`` puts it in
 forward pre-hooks on the Linear modules of a model (vLLM's merged ``qkv_proj``/``gate_up_proj``
 or Hugging Face's separate projections — one per-token scale serves q, k and v alike, since they
 share the input row).
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from pdm_lab.quantize import (FP8_MAX, dequantize_blockwise, quantize_blockwise,  # noqa: F401  (one formula, in the core)
+from pdm_lab.lab.quantize import (FP8_MAX, dequantize_blockwise, quantize_blockwise,  # noqa: F401  (one formula, in the core)
                               quantize_dequantize, quantize_dequantize_groups)
 
 _LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",

@@ -10,7 +10,7 @@ Already inside torchrun (RANK is set, e.g. a multi-node launch, see ``scaling/RE
 runs the loop directly. torchrun stays in this process's group: Ctrl-C (or a signal to the
 group) reaches it and every rank together. The ranks die with the launcher, even by SIGKILL
 (``lifetime``), and the run directory is locked for the launcher's lifetime: a second
-``pdm-lab train`` on it fails at once, naming the holder (``pdm_lab.runtime.locking``).
+``pdm-lab train`` on it fails at once, naming the holder (``pdm_lab.lab.locking``).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from pdm_lab.config import ConfigError
-from pdm_lab.runtime.lifetime import LAUNCHER_ENV, die_with_parent
-from pdm_lab.runtime.locking import DirLock
+from pdm_lab.lab.lifetime import LAUNCHER_ENV, die_with_parent
+from pdm_lab.lab.locking import DirLock
 
 from .config import TrainConfig, save_config
 
@@ -81,7 +81,7 @@ def launch(cfg: TrainConfig, nproc: int | None = None) -> int:
 
 
 def _remove_if_only_lock(run_dir: Path) -> None:
-    from pdm_lab.runtime.locking import LOCK_NAME
+    from pdm_lab.lab.locking import LOCK_NAME
 
     try:
         if [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:

@@ -20,10 +20,10 @@ import json
 
 import torch
 
-from pdm_lab.audit import regime_table
+from pdm_lab.audit.measure import regime_table
 from pdm_lab.divergence import topk_kl
 from pdm_lab.numerics import masked_logsumexp
-from pdm_lab.quantize import quantize_dequantize
+from pdm_lab.lab.quantize import quantize_dequantize
 
 from .fp8 import install_activation_quant, is_quantised_param
 

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from pdm_lab.advantages import group_advantages
-from pdm_lab.runtime.lifetime import guard_rank
+from pdm_lab.lab.advantages import group_advantages
+from pdm_lab.lab.lifetime import guard_rank
 
-from pdm_lab.audit_live import flat_metrics
+from pdm_lab.audit.live import flat_metrics
 
-from .audit_step import audit_live_batch, write_record
+from .audit_step import MiniBatchAudit, write_record
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .distributed import all_reduce_max, all_reduce_sum
@@ -45,7 +45,7 @@ from .policy_model import DTYPES, PREFIX, sequence_logprobs
 from .rollout import (engine_dtype, generate, outputs_to_batch, request_seed, sampling_params, score_sequence,
                       shutdown_engine)
 from .run_setup import Run, set_up_run
-from .train_step import NonFinite, NonFiniteUpdate, update_policy
+from .train_step import NonFinite, update_policy
 from .verifiers import score_responses
 from .weight_sync import check_sync, push_weights, rollout_weights, sync_tolerance
 
@@ -66,9 +66,10 @@ def run_training(cfg: TrainConfig) -> Path:
             batch = roll_out(run, rows, first, step)                            # 2. rollout, μ's top-K
         with timed(times, "reward"):
             batch, rewards, ok, adv = score_and_advantages(run, batch, step)     # 3-4. rewards, Â
-        audit = audit_batch(run, step, batch, adv, lr, times) if due(cfg.audit.every, step) else {}  # 5a.
-        metrics, skipped = train_on_batch(run, step, batch, adv, lr, times)     # 5. update (non-finite: skipped)
-        metrics.update(audit)
+        audit = audit_hook(run, batch, adv, lr) if due(cfg.audit.every, step) else None  # 5a. at mini-batch j
+        metrics, skipped = train_on_batch(run, step, batch, adv, lr, times, audit)  # 5. update (non-finite: skipped)
+        if audit is not None:
+            metrics.update(audit_metrics(run, step, audit, times))
         with timed(times, "sync"):                                              # 6. weight sync
             push_weights(run.llm, rollout_weights(run.policy, cfg.rollout, PREFIX), in_place=run.in_place)
         if due(cfg.log.sync_check_every, step):
@@ -301,32 +302,48 @@ def score_and_advantages(run: Run, batch, step: int):
     return batch, rewards, ok, adv
 
 
-def audit_batch(run: Run, step: int, batch, adv, lr: float, times: dict[str, float]) -> dict[str, float]:
-    """The direction audit on this batch (SPEC §6c): one step per rule from the same parameters
-    and AdamW state, ΔD measured, everything restored bit-exactly; the record goes to
-    ``audit.jsonl`` and its flat metrics are returned."""
-    with timed(times, "audit"):
-        try:
-            record = audit_live_batch(run.policy, run.optimizer, batch, adv, cfg=run.cfg,
-                                      vocab_size=run.model_info["vocab_size"], pad_id=run.pad_id, lr=lr,
-                                      device=run.lay.device)
-        except NonFiniteUpdate as err:  # every rank together; the skipped step changed nothing
-            run.say(f"[audit] step {step}: not audited: {err}")
-            return {"audit/skipped_nonfinite": 1.0}
-    if run.lay.is_main:
-        write_record(run.run_dir, step, run.cfg.seed, {**record, "time_s": times["audit"]})
-    return {**flat_metrics(record, record["rules"]), "time/probe_s": record.get("time/probe_s", 0.0)}
+def audit_hook(run: Run, batch, adv, lr: float) -> MiniBatchAudit:
+    """The direction audit on this batch (SPEC §6c), as the update's ``before_step`` hook: at the
+    audited mini-batch j (``audit.mini_batch``), from the run's state when its mask acts on j (after
+    the j real optimiser steps, with their AdamW state), one step per rule on mini-batch j, ΔD
+    measured, everything restored bit-exactly before the real step on j."""
+    return MiniBatchAudit(run.policy, run.optimizer, batch, adv, cfg=run.cfg, vocab_size=run.model_info["vocab_size"],
+                          pad_id=run.pad_id, lr=lr, device=run.lay.device)
 
 
-def train_on_batch(run: Run, step: int, batch, adv, lr: float,
-                   times: dict[str, float]) -> tuple[dict[str, float], list[NonFinite]]:
+def audit_metrics(run: Run, step: int, audit: MiniBatchAudit, times: dict[str, float]) -> dict[str, float]:
+    """The audit's records to ``audit.jsonl`` (one line per audited mini-batch) and its flat
+    metrics: ``audit/...`` of the last audited mini-batch (``audit/mini_batch`` says which) and,
+    with ``audit.mini_batch: all``, every one's as ``audit/mb{j}/...``."""
+    times["audit"] = audit.seconds
+    for line in audit.skipped:
+        run.say(f"[audit] step {step}: not audited at {line}")
+    out = {"audit/skipped_nonfinite": 1.0} if audit.skipped else {}
+    for record in audit.records:
+        if run.lay.is_main:
+            write_record(run.run_dir, step, run.cfg.seed, record)
+        flat = {**flat_metrics(record, record["rules"]), "audit/mini_batch": float(record["mini_batch"])}
+        if len(audit.audited) > 1:
+            out.update({key.replace("audit/", f"audit/mb{record['mini_batch']}/", 1): v for key, v in flat.items()})
+        out.update(flat)
+    if audit.records:
+        out["time/probe_s"] = sum(r.get("time/probe_s", 0.0) for r in audit.records)
+    return out
+
+
+def train_on_batch(run: Run, step: int, batch, adv, lr: float, times: dict[str, float],
+                   audit: MiniBatchAudit | None = None) -> tuple[dict[str, float], list[NonFinite]]:
     """The update: the registry's mask and loss on π over μ's support; returns its metrics and the
-    optimiser steps it skipped as non-finite."""
+    optimiser steps it skipped as non-finite. ``audit``: run at its mini-batch inside the update
+    (its seconds are not counted in ``time/train_s``)."""
     with timed(times, "train"):
         upd = update_policy(run.policy, run.optimizer, batch, adv, cfg=run.cfg,
                             vocab_size=run.model_info["vocab_size"], pad_id=run.pad_id, lr=lr,
-                            device=run.lay.device,
-                            mismatch_sample=lambda stats, a, r: run.mismatch_sample.write(step, stats, a, r))
+                            device=run.lay.device, before_step=audit,
+                            mismatch_sample=lambda stats, a, r, mini_batch: run.mismatch_sample.write(
+                                step, stats, a, r, mini_batch=mini_batch))
+    if audit is not None:
+        times["train"] -= audit.seconds
     times["loss"] = upd.times["loss"]
     if "coupled" in upd.times:  # pdm_coupled's extra passes (SPEC §3b), its own timing line
         times["coupled"] = upd.times["coupled"]

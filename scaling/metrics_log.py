@@ -40,7 +40,7 @@ class MetricsLog:
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resume_step + 1)
         if config is not None and config.log.wandb.enabled:
-            from pdm_lab.runtime.wandb_log import WandbRun
+            from pdm_lab.lab.wandb_log import WandbRun
 
             from .config import config_to_dict
 
@@ -86,7 +86,7 @@ class MetricsLog:
 
     def _audit_tables(self) -> None:
         """The live audit's records (the last line of each step) as W&B tables."""
-        from pdm_lab.runtime.wandb_log import flat
+        from pdm_lab.lab.wandb_log import flat
 
         path = self.path.parent / "audit.jsonl"
         if not path.exists():

@@ -1,6 +1,6 @@
 """``pdm-lab promote``: carry the best toy-sweep configuration into a full-run config.
 
-Reads a sweep's table through the core schema (``pdm_lab.runtime.results``: typed ``SweepRow``s from
+Reads a sweep's table through the core schema (``pdm_lab.lab.results``: typed ``SweepRow``s from
 ``results.json`` or ``results.csv``, with a schema version), never the toy stage's code. Every
 path it opens resolves strictly inside the sweep directory; a non-finite configuration value, a
 truncated file or an unknown schema is a one-line error naming the file.
@@ -12,12 +12,12 @@ sweep wrote one (every MaskConfig field), else from the row. The result is the b
 its ``mask:`` section replaced and a ``provenance:`` section (sweep path, cell, criterion, metric
 values, the evidence, code version, time).
 
-Evidence (``pdm_lab.runtime.evidence``, the rule the sweep's report names winners by): the chosen
+Evidence (``pdm_lab.lab.evidence``, the rule the sweep's report names winners by): the chosen
 cell must be separated from the runner-up (the best other never-collapsed cell) at 95% — the
 Welch interval of the difference in final reward over seeds excludes 0 — with runs long enough
 for "never collapsed" to mean anything and enough seeds. Otherwise promote refuses in one line,
 unless ``allow_tie``; the written file's header states the evidence either way. Outputs follow
-``pdm_lab.runtime.outputs``: never over the sweep's tables, a cell's config or the base config,
+``pdm_lab.lab.outputs``: never over the sweep's tables, a cell's config or the base config,
 nor over a file promote did not write, unless ``force``.
 """
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 
 from pdm_lab.config import from_dict
 from pdm_lab.mask_config import MaskConfig
-from pdm_lab.runtime.evidence import CRITERION, Separation, separation, shortfalls
-from pdm_lab.runtime.outputs import check_not_input, check_overwritable
-from pdm_lab.runtime.results import (COLUMNS, RESULTS_CSV, RESULTS_JSON, ResultsError, SweepRow, cell_path,
+from pdm_lab.lab.evidence import CRITERION, Separation, separation, shortfalls
+from pdm_lab.lab.outputs import check_not_input, check_overwritable
+from pdm_lab.lab.results import (COLUMNS, RESULTS_CSV, RESULTS_JSON, ResultsError, SweepRow, cell_path,
                                      read_results)
 
 from .config import Provenance, load_config, save_config
@@ -248,7 +248,7 @@ def evidence(cells: list[Cell], chosen: Cell) -> Evidence:
 def check_out_paths(sweep_dir: Path, base: Path, outs: list[Path], *, force: bool = False) -> None:
     """Refuse outputs that are an input (the sweep's tables, the base config) or an existing
     file promote did not write (a cell's config.json, the sweep's report.md, …; see
-    ``pdm_lab.runtime.outputs``), unless ``force``."""
+    ``pdm_lab.lab.outputs``), unless ``force``."""
     inputs = {"the sweep's results.json": sweep_dir / RESULTS_JSON, "the sweep's results.csv": sweep_dir / RESULTS_CSV,
               "the --base config": base}
     for out in outs:

@@ -26,7 +26,14 @@ were, and ``UpdateResult.nonfinite`` says which mini-batch and which quantity (`
 the norm is global), and a rank whose loss failed still runs a zero backward through the same
 graph, so FSDP's gradient collectives stay in step. ``scaling.loop`` counts such steps.
 
-One module of about 430 lines on purpose: a single update's order (micro-batches, support, π and
+Staleness (SPEC §6b): mini-batch j is trained after j optimiser steps on the same rollouts, so the
+D the mask sees there is numerics plus j steps of staleness. ``update_policy`` logs the regime
+table of every mini-batch and pooled (``mismatch_sample.MiniBatchRegime``: ``mismatch/mb{j}/…``,
+``mismatch/pooled/…``), hands every mini-batch's stats to the per-token sample, and calls
+``before_step(j, rows)`` at the start of each mini-batch — the state the mask acts in on
+mini-batch j, after the j real steps and their AdamW state — where the live audit runs (SPEC §6c).
+
+One module of about 470 lines on purpose: a single update's order (micro-batches, support, π and
 c, loss, the non-finite guard, the optimiser step) reads top to bottom here, and its pieces share
 ``MicroBatch`` and ``UpdateResult``.
 """
@@ -53,6 +60,7 @@ from pdm_lab.support import Support, support_from_topk
 
 from .coupled_fd import coupled_for_minibatch
 from .distributed import all_reduce_max
+from .mismatch_sample import MiniBatchRegime
 from .policy_model import DTYPES
 from .rollout import RolloutBatch
 
@@ -320,7 +328,8 @@ def nonfinite_check(policy, mb_index: int, loss_error: str | None, norm: float |
 
 
 def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cfg, vocab_size: int,
-                  pad_id: int, lr: float, device=None, mismatch_sample=None, on_loss=None) -> UpdateResult:
+                  pad_id: int, lr: float, device=None, mismatch_sample=None, on_loss=None,
+                  before_step=None) -> UpdateResult:
     """One pass over the batch: ``trainer.mini_batches`` optimiser steps (SPEC §7: one PPO epoch).
 
     Args:
@@ -333,11 +342,19 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         pad_id: padding token id for the trainer's inputs.
         lr: learning rate for these optimiser steps.
         device: where the trainer runs (default CPU).
-        mismatch_sample: callable ``(stats, adv, resp)`` given each micro-batch of the first
-            mini-batch, its per-token stats before any step (``mismatch_sample.MismatchSample``); None: no sample.
+        mismatch_sample: callable ``(stats, adv, resp, mini_batch=j)`` given each micro-batch of
+            every mini-batch j, its per-token stats as the mask sees them (after j steps on this
+            batch; ``mismatch_sample.MismatchSample``); None: no sample.
         on_loss: callable ``(mb_index, micro_index, out)`` given each micro-batch's ``LossOutput``
             (its keep mask and stats; the direction audit reads them); None: nothing. With it, a
             non-finite mini-batch raises ``NonFiniteUpdate`` (after the skip, on every rank).
+        before_step: callable ``(mb_index, rows)`` called at the start of each mini-batch, before
+            its forward (``rows``: its sequences in ``batch``): the run's state when its mask acts on
+            that mini-batch (the live audit, SPEC §6c, runs here and must leave the state as it found
+            it); None: nothing.
+
+    Metrics: the update's, the plain ``mismatch/*`` keys of mini-batch 0 (before any step), and the
+    regime table per mini-batch and pooled (module docstring; ``mismatch_sample`` module docstring).
 
     A mini-batch whose loss or gradient is non-finite is not stepped on (module docstring): the
     result's ``nonfinite`` lists them and ``train/nonfinite`` & co. are in its metrics.
@@ -350,7 +367,10 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
     sums: MetricSums = {}
     skipped: list[NonFinite] = []
     agreed = {"loss/policy", "loss/grad_norm"}  # keys every rank adds whatever its losses did
+    regime = MiniBatchRegime(mask_cfg)
     for mb_index, mini in enumerate(split(len(batch), tcfg.mini_batches)):
+        if before_step is not None:  # the state the mask acts in on this mini-batch (SPEC §6c)
+            before_step(mb_index, mini)
         micro_rows = [mini[i:i + tcfg.micro_batch_size] for i in range(0, len(mini), tcfg.micro_batch_size)]
         micros = [make_micro_batch(batch, rows, seq_adv, pad_id).to(device or "cpu") for rows in micro_rows]
         dp = DPInfo.all_reduce(sum(m.n_tokens for m in micros), sum(m.n_seqs for m in micros))
@@ -387,8 +407,9 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
             parts.append(out.metric_sums)
             if on_loss is not None:
                 on_loss(mb_index, micro_index, out)
-            if mb_index == 0 and mismatch_sample is not None:  # before any step: the realised mismatch
-                mismatch_sample(out.stats, mb.advantages, mb.response_mask)
+            regime.add(mb_index, out.stats, mb.advantages, mb.response_mask)  # D as the mask sees it here
+            if mismatch_sample is not None:  # after mb_index steps on this batch (SPEC §6b)
+                mismatch_sample(out.stats, mb.advantages, mb.response_mask, mini_batch=mb_index)
         t0 = time.perf_counter()
         norm_tensor, norm = gradient_norm(policy)  # global; computed with or without clipping
         bad = nonfinite_check(policy, mb_index, loss_error, norm)
@@ -406,18 +427,28 @@ def update_policy(policy, optimizer, batch: RolloutBatch, seq_adv: Tensor, *, cf
         if coupled_info:  # already global: every rank adds the same value once
             parts.append({key: metric("mean", value) for key, value in coupled_info.items()})
             agreed.update(coupled_info)
+        mini_sums = merge_metrics(*parts)
         if mb_index == 0:  # before any optimiser step of this batch: the realised mismatch
-            parts.append(as_mismatch(merge_metrics(*parts)))
+            parts.append(as_mismatch(mini_sums))
+        parts.append(_renamed_mismatch(mini_sums, f"mb{mb_index}"))  # after mb_index steps (staleness)
         sums = merge_metrics(sums, *parts)
+    sums = merge_metrics(sums, _renamed_mismatch(sums, "pooled"))  # the div/* sums of every mini-batch
     t1 = time.perf_counter()
     if skipped:  # a rank whose loss failed lacks that micro-batch's keys: merge only those every rank has
         sums = {key: value for key, value in sums.items() if key in agreed}
     metrics = finalize_floats(all_reduce_metrics(sums))  # one exact merge over ranks: 3 collectives
     times["loss"] += time.perf_counter() - t1
     metrics.update(nonfinite_metrics(skipped))  # already global
+    metrics.update(regime.metrics())  # gathered from every rank: the same on each
     if skipped and on_loss is not None:  # the caller reads every micro-batch's output: some are missing
         raise NonFiniteUpdate(skipped)
     return UpdateResult(metrics=metrics, times=times, nonfinite=skipped)
+
+
+def _renamed_mismatch(sums: MetricSums, name: str) -> MetricSums:
+    """``as_mismatch``'s ``mismatch/*`` keys of `sums` as ``mismatch/{name}/*`` (one mini-batch, or pooled)."""
+    return {key.replace("mismatch/", f"mismatch/{name}/", 1): value for key, value in as_mismatch(sums).items()
+            if key.startswith("mismatch/")}
 
 
 def nonfinite_metrics(skipped: list[NonFinite]) -> dict[str, float]:

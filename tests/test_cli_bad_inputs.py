@@ -1,6 +1,6 @@
 """Every bad input to the command line is one line naming the input and exit status 2, never a
 traceback, a hang or a success; a valid value (``mask.delta=1e-5``) works. Table-driven, end to
-end: each case is the real ``pdm-lab`` entry point (``pdm_lab.runtime.cli.main``) in its own
+end: each case is the real ``pdm-lab`` entry point (``pdm_lab.cli.main.main``) in its own
 forked process, so its exit status is real and a hang is killed at ``CASE_TIMEOUT_S``; the runner
 imports the commands once before forking, so a case costs only its own checks."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdm_lab.runtime.locking import DirLock
+from pdm_lab.lab.locking import DirLock
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "scaling" / "configs" / "tiny-cpu.yaml"
@@ -147,6 +147,12 @@ TABLE = [
     ("calibrate-run-missing", ["calibrate", "--from-run", "{tmp}/nowhere", "--out", "{tmp}/c"], E, "nowhere"),
     ("calibrate-run-works", ["calibrate", "--from-run", "{tmp}/good.jsonl", "--delta", "1e-1", "--out", "{tmp}/c"],
      OK, ""),
+    # run records: every reader of a damaged audit.jsonl names the file and line (one reader)
+    *[(f"{cmd[0]}-audit-{kind}", [a.replace("{run}", f"{{tmp}}/run-{kind}") for a in cmd], E, "audit.jsonl:2")
+      for kind in ("truncated", "bytes", "nokey", "nonobject", "step-abc")
+      for cmd in (["mechanism", "{run}", "--out", "{tmp}/m"], ["transfer", "{run}", "--out", "{tmp}/t"],
+                  ["calibrate", "--from-run", "{run}", "--out", "{tmp}/c"])],
+    ("prove-out-dev-full", ["prove", "--only", "ddot_closed_form", "--out", "/dev/full"], E, "/dev/full"),
     # demo, bench, prove, promote: every numeric option has its range
     ("demo-k-above-vocab", ["demo", "--vocab", "50", "--k", "100", "--out", "{tmp}/d.json"], E, "--k"),
     ("demo-tokens-0", [*_DEMO, "--tokens", "0"], E, "--tokens"),
@@ -195,15 +201,24 @@ def _files(tmp: Path) -> None:
     (tmp / "badjson.jsonl").write_text('{"d": 0.1, "mu_tail": 0.01}\n{"d": \n')
     (tmp / "nokey.jsonl").write_text('{"mu_tail": 0.01}\n')
     (tmp / "nan.jsonl").write_text('{"d": 0.1, "mu_tail": 0.01}\n{"d": NaN, "mu_tail": 0.01}\n')
+    good_line = json.dumps({"step": 0, "seed": 0, "rules": ["dppo_topk_kl", "pdm_topk"], "delta": 0.15, "k": 20})
+    for kind, bad in (("truncated", b'{"step": 1, "rules": ["dppo'), ("bytes", b'{"step": 1, "x": "\xff\xfe"}'),
+                      ("nokey", b'{"seed": 0, "rules": [], "delta": 0.15, "k": 20}'), ("nonobject", b"[1, 2, 3]"),
+                      ("step-abc", b'{"step": "abc", "rules": [], "delta": 0.15, "k": 20}')):
+        run = tmp / f"run-{kind}"
+        run.mkdir()
+        (run / "audit.jsonl").write_bytes(good_line.encode() + b"\n" + bad + b"\n")
+        (run / "mismatch_sample.jsonl").write_text("".join(json.dumps({"d": 0.01 * i, "mu_tail": 0.01}) + "\n"
+                                                           for i in range(40)))
     (tmp / "good.jsonl").write_text("".join(json.dumps({"d": 0.01 * i, "mu_tail": 0.01, "adv": (-1) ** i}) + "\n"
                                             for i in range(40)))
 
 
-#: Runs each case as ``pdm_lab.runtime.cli.main(argv)`` in a forked child (its own process group,
+#: Runs each case as ``pdm_lab.cli.main.main(argv)`` in a forked child (its own process group,
 #: stdout/stderr to files, exit status as the process's), killing it at the timeout.
 RUNNER = r"""
 import json, os, signal, sys, time, traceback
-import pdm_lab.runtime.cli as cli
+import pdm_lab.cli.main as cli
 import pdm_lab.envs.transfer.calibrate, pdm_lab.envs.commands, pdm_lab.proofs.commands  # noqa: F401
 import pdm_lab.scaling.commands, pdm_lab.scaling.dryrun, pdm_lab.scaling.launch  # noqa: F401
 import pdm_lab.tools.bench, pdm_lab.tools.demo  # noqa: F401

@@ -3,7 +3,7 @@ names the field, never an internal error (70), a traceback, or a run that starts
 
 The cases are generated, not listed: the fields of each command's config dataclass (with their
 ``Range``/``Length`` metadata and types) and the options of each command's parser. Each case is
-the real ``pdm_lab.runtime.cli.main(argv)`` called in this process (the walk takes seconds); the
+the real ``pdm_lab.cli.main.main(argv)`` called in this process (the walk takes seconds); the
 functions that would start work (the sweep, the audit, the calibration, the dry run, a demo's
 batch, a benchmark) are tripwires that fail the case if a value got through. A few cases run as
 real subprocesses at the end, and ``test_refused_commands_leave_nothing`` checks that a refused
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pdm_lab.config import Length, Range
-from pdm_lab.runtime import cli
+from pdm_lab.cli import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "scaling" / "configs" / "tiny-cpu.yaml"

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from pdm_lab.audit import paired_bootstrap_ci, sign_test, unsafe_keep_rates
+from pdm_lab.audit.intervals import paired_bootstrap_ci, sign_test
+from pdm_lab.audit.measure import unsafe_keep_rates
 
 
 def test_rates():
@@ -39,7 +40,7 @@ def test_nan_pairs_dropped():
 
 
 def test_group_advantages_invalid_samples_and_flat_groups():
-    from pdm_lab.advantages import group_advantages
+    from pdm_lab.lab.advantages import group_advantages
 
     r = torch.tensor([1.0, 0.0, 0.0, 5.0, 2.0, 2.0, 3.0])
     g = torch.tensor([0, 0, 0, 0, 1, 1, 2])
@@ -52,7 +53,7 @@ def test_group_advantages_invalid_samples_and_flat_groups():
 
 
 def test_tolerance_separates_flat_from_grow_and_shrink():
-    from pdm_lab.audit import delta_rates
+    from pdm_lab.audit.measure import delta_rates
 
     dd = torch.tensor([1e-3, -1e-3, 1e-14, -1e-14, 0.0], dtype=torch.float64)
     out = delta_rates(dd, torch.ones(5, dtype=torch.bool), tol=1e-12)
@@ -63,7 +64,7 @@ def test_tolerance_separates_flat_from_grow_and_shrink():
 
 
 def test_pool_weights_tokens_not_seeds():
-    from pdm_lab.audit import delta_rates, pool, rate_summary
+    from pdm_lab.audit.measure import delta_rates, pool, rate_summary
 
     a = delta_rates(torch.tensor([1.0, 1.0, 1.0, -1.0]), torch.ones(4, dtype=torch.bool))
     b = delta_rates(torch.tensor([-1.0]), torch.ones(1, dtype=torch.bool))
@@ -73,7 +74,8 @@ def test_pool_weights_tokens_not_seeds():
 
 
 def test_pooled_diff_ci_brackets_the_point_and_handles_empty_seeds():
-    from pdm_lab.audit import delta_rates, pooled_diff_ci
+    from pdm_lab.audit.measure import delta_rates
+    from pdm_lab.audit.intervals import pooled_diff_ci
 
     gen = torch.Generator().manual_seed(0)
     seeds_a, seeds_b = [], []
@@ -90,7 +92,7 @@ def test_pooled_diff_ci_brackets_the_point_and_handles_empty_seeds():
 def test_predicted_divergence_reads_the_record_not_the_name():
     import dataclasses
 
-    from pdm_lab.audit import predicted_divergence
+    from pdm_lab.audit.measure import predicted_divergence
     from pdm_lab.masks import MASK_RULES
 
     assert predicted_divergence(MASK_RULES["pdm_exact"]) == "full_kl"
@@ -101,7 +103,7 @@ def test_predicted_divergence_reads_the_record_not_the_name():
 
 
 def test_regime_table_quantiles_fractions_and_tail_ratio():
-    from pdm_lab.audit import regime_table
+    from pdm_lab.audit.measure import regime_table
 
     d = torch.cat([torch.full((990,), 1e-3), torch.full((10,), 1.0)]).double()
     considered = torch.ones(1000, dtype=torch.bool)
@@ -114,7 +116,7 @@ def test_regime_table_quantiles_fractions_and_tail_ratio():
 
 
 def test_mean_ci_lives_in_the_core_and_summary_reuses_it():
-    from pdm_lab.audit import mean_ci
+    from pdm_lab.audit.intervals import mean_ci
     from pdm_lab.envs.report import summary
 
     assert summary.mean_ci is mean_ci
@@ -123,7 +125,7 @@ def test_mean_ci_lives_in_the_core_and_summary_reuses_it():
 
 
 def test_verdict_needs_ten_seeds_and_thirty_tokens_each():
-    from pdm_lab.audit import INSUFFICIENT, data_sufficiency, gated_verdict
+    from pdm_lab.audit.measure import INSUFFICIENT, data_sufficiency, gated_verdict
 
     strong = {"mean_diff": 0.3, "ci_low": 0.2, "ci_high": 0.4}
     enough = data_sufficiency([3] * 10, [3] * 10)
@@ -139,7 +141,7 @@ def test_verdict_needs_ten_seeds_and_thirty_tokens_each():
 
 
 def test_seeds_for_power_matches_the_normal_formula():
-    from pdm_lab.audit import seeds_for_power
+    from pdm_lab.audit.measure import seeds_for_power
 
     diffs = [0.1, -0.1] * 20  # sd = 0.1013 (n − 1 denominator)
     out = seeds_for_power(diffs, effect=0.027)
@@ -150,7 +152,7 @@ def test_seeds_for_power_matches_the_normal_formula():
 
 
 def test_flip_summary_counts_the_largest_cause():
-    from pdm_lab.audit import flip_summary
+    from pdm_lab.audit.measure import flip_summary
 
     terms = [{"own": -1.0, "context": 0.0, "state": 0.5, "rest": 2.0, "total": 1.5},
              {"own": 0.2, "context": 0.1, "state": 0.0, "rest": -0.1, "total": 0.2}]
@@ -161,7 +163,7 @@ def test_flip_summary_counts_the_largest_cause():
 
 
 def test_self_test_passes_only_the_first_order_construction():
-    from pdm_lab.audit import self_test
+    from pdm_lab.audit.measure import self_test
 
     def rules(rate, kept=50):
         entry = {"unsafe_keep_pooled": rate, "kept_disagreement_tokens": kept}

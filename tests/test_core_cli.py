@@ -66,7 +66,7 @@ def test_internal_error_is_its_own_status_with_the_traceback_in_a_file(tmp_path,
     """A bug inside pdm_lab (here a KeyError planted in the demo) is not "bad input": exit status
     ``INTERNAL_ERROR``, one line saying so, naming a file that holds the traceback."""
     from pdm_lab.errors import INTERNAL_ERROR
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
     from pdm_lab.tools import demo
 
     def planted_bug(**_):
@@ -84,7 +84,7 @@ def test_internal_error_is_its_own_status_with_the_traceback_in_a_file(tmp_path,
 
 def test_bad_input_keeps_status_2_and_debug_anywhere_shows_the_traceback(tmp_path, monkeypatch, capsys):
     from pdm_lab.config import ConfigError
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
     from pdm_lab.tools import demo
 
     def refuses(**_):

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from pdm_lab.config import ConfigError, at_least, check_option, config_dataclass, from_dict, non_empty, non_negative, to_dict
 from pdm_lab.mask_config import MaskConfig
-from pdm_lab.runtime.yaml_config import apply_overrides, dump_yaml, load_yaml, parse_yaml, read_yaml
+from pdm_lab.lab.yaml_config import apply_overrides, dump_yaml, load_yaml, parse_yaml, read_yaml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ _FINITE = st.floats(allow_nan=False, allow_infinity=False)
 def test_every_float_literal_is_a_number(x, style):
     """Law: a float written in any of Python's forms (``1e-05``, ``1E+05``, ``-2.5e+03``, ``0.1``)
     reads back as that float: in a file, an override and a command-line option alike."""
-    from pdm_lab.runtime.cli import number
+    from pdm_lab.cli.main import number
 
     text = style.format(x)
     assert parse_yaml(text) == float(text) and type(parse_yaml(text)) is float

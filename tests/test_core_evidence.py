@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdm_lab.runtime import evidence
-from pdm_lab.runtime.evidence import (COLLAPSE_MIN_STEPS, COLLAPSE_MIN_WINDOW, betainc, collapse_window,
+from pdm_lab.lab import evidence
+from pdm_lab.lab.evidence import (COLLAPSE_MIN_STEPS, COLLAPSE_MIN_WINDOW, betainc, collapse_window,
                                       mean_t_ci, separation, shortfalls, t_quantile, welch_diff_ci)
 
 

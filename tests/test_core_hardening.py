@@ -17,8 +17,8 @@ import pytest
 
 from pdm_lab.config import ConfigError, check_fields
 from pdm_lab.mask_config import MaskConfig
-from pdm_lab.runtime.lifetime import alive
-from pdm_lab.runtime.locking import DirLock, LockHeldError
+from pdm_lab.lab.lifetime import alive
+from pdm_lab.lab.locking import DirLock, LockHeldError
 
 # ---------------------------------------------------------------------------- config fields
 
@@ -106,7 +106,7 @@ def test_sampled_logp_contradicting_its_topk_entry_is_refused():
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from pdm_lab.runtime.locking import DirLock
+    from pdm_lab.lab.locking import DirLock
     DirLock(sys.argv[1], what="run directory").acquire()
     print("held", flush=True)
     time.sleep(120)
@@ -148,7 +148,7 @@ def test_sweep_refuses_an_out_directory_in_use(tmp_path):
 
 WORKER = textwrap.dedent("""
     import os, sys, time
-    from pdm_lab.runtime.lifetime import die_with_parent, watch_launcher
+    from pdm_lab.lab.lifetime import die_with_parent, watch_launcher
     if sys.argv[1] == "pdeathsig":
         die_with_parent()
     else:

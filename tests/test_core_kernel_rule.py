@@ -16,8 +16,8 @@ from pdm_lab.loss import pdm_policy_loss
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.masks import compute_mask, get_mask_rule
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.probe import divergence_grads
-from pdm_lab.stats import token_stats
+from pdm_lab.audit.probe import divergence_grads
+from pdm_lab.token_stats import token_stats
 from pdm_lab.support import support_from_full
 
 REPO = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def test_toy_audit_with_pdm_kernel_runs_end_to_end():
 def test_the_loop_and_the_live_audit_take_pdm_kernel():
     """The loop supplies c_t (``scaling/train_step.py``; its tests: ``test_scaling_kernel.py``), so
     its config and the live audit's section take the rule; only a sampling cut is refused."""
-    from pdm_lab.audit_live import LiveAuditConfig
+    from pdm_lab.audit.live import LiveAuditConfig
     from pdm_lab.scaling.config import load_config
 
     tiny = REPO / "scaling" / "configs" / "tiny-cpu.yaml"

@@ -10,10 +10,11 @@ from core_helpers import mismatched_pair, sample_from
 import pdm_lab
 from pdm_lab import MaskConfig, compute_mask, diagnose
 from pdm_lab.support import id_dtype
-from pdm_lab import direction, rule_probe
+from pdm_lab import direction
+from pdm_lab import rule_check
 from pdm_lab.integrations.sampled_token import sampled_token_rules
 from pdm_lab.masks import MASK_RULES, pdm_rule, register_mask
-from pdm_lab.stats import TokenStats
+from pdm_lab.token_stats import TokenStats
 
 
 def _stats(**cols):
@@ -163,8 +164,8 @@ def test_a_new_estimator_gets_its_rule_as_direction_py_says(registry):
 
 def test_the_probe_configs_have_every_mask_config_field():
     fields = {f.name for f in dataclasses.fields(MaskConfig)}
-    assert set(rule_probe.PROBE_CONFIG) == fields
-    assert all(set(config) == fields for config in rule_probe.CONFIGS)
+    assert set(rule_check.CHECK_CONFIG) == fields
+    assert all(set(config) == fields for config in rule_check.CONFIGS)
 
 
 def test_adding_a_rule_is_one_decorated_function():

@@ -53,7 +53,7 @@ def test_a_third_party_command_as_a_user_runs_it(tmp_path):
 
 
 def test_a_third_party_benchmark_and_help(tmp_path, monkeypatch, capsys):
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     site = install_plugin(tmp_path / "site", {"hello": "hello_plugin:register"}, {"hello": "hello_plugin:run_bench"})
     monkeypatch.syspath_prepend(str(site))  # importlib.metadata scans sys.path: a real install
@@ -69,7 +69,7 @@ def test_a_third_party_benchmark_and_help(tmp_path, monkeypatch, capsys):
 
 
 def test_broken_and_missing_plugins_are_one_line_errors_naming_them(tmp_path, monkeypatch, capsys):
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     site = install_plugin(tmp_path / "site", {"broken": "no_such_module_for_pdm_lab:register",
                                               "noattr": "hello_plugin:no_such_function",

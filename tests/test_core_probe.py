@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from pdm_lab.audit import median_ci, paired_rate_diff_ci, wilson_ci
+from pdm_lab.audit.intervals import median_ci, paired_rate_diff_ci, wilson_ci
 from pdm_lab.errors import PDMInputError
 from pdm_lab.masks import get_mask_rule, predictive_outward, ratio_outward
 from pdm_lab.policy_side import PolicyOnSupport, policy_on_support
 from pdm_lab.divergence import full_kl, topk_kl
-from pdm_lab.probe import (FunctionalKernel, LogitKernel, fit_kernel_ab, own_direction, own_update_probe,
+from pdm_lab.audit.probe import (FunctionalKernel, LogitKernel, fit_kernel_ab, own_direction, own_update_probe,
                            pool_decomposition, pool_probe, probe_rows, probe_with_kernel, step_decomposition)
-from pdm_lab.stats import token_stats
+from pdm_lab.token_stats import token_stats
 from pdm_lab.support import support_from_full
 
 

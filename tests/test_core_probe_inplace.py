@@ -17,9 +17,9 @@ pytest.importorskip("transformers")
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from pdm_lab.coupled import differentiable_topk_kl  # noqa: E402
-from pdm_lab.probe import divergence_grads, own_direction  # noqa: E402
+from pdm_lab.audit.probe import divergence_grads, own_direction  # noqa: E402
 from pdm_lab.policy_side import policy_on_support  # noqa: E402
-from pdm_lab.probe_kernel import FunctionalKernel, InPlaceKernel  # noqa: E402
+from pdm_lab.audit.probe_kernel import FunctionalKernel, InPlaceKernel  # noqa: E402
 from pdm_lab.support import support_from_topk  # noqa: E402
 
 VOCAB, SEQ, K = 96, 8, 20

@@ -1,13 +1,15 @@
 """Rule records are declared and checked (pdm_lab.rule_record): a planted mis-declared rule is
 refused at registration in one line naming the field; a branch one probe does not take is seen by
-the probe set; every built-in rule's name is written literally where it is registered."""
+the check set; every built-in rule's name is written literally where it is registered."""
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from pdm_lab import direction, rule_probe
+from pdm_lab import direction
+
+from pdm_lab import rule_check
 from pdm_lab.errors import exit_code, is_input_error
 from pdm_lab.masks import MASK_RULES, RuleRecordError, register_mask
 from pdm_lab.rule_record import DIVERGENCES, FIELDS
@@ -101,7 +103,7 @@ def _keep_floats(stats, advantages, cfg):
 
 PDM = dict(divergence="topk_kl", estimator="topk", support="topk", uses_delta=True, uses_k=True)
 PLANTED = {
-    # the lies the issue names
+    # declarations that misstate what the rule reads
     "topk rule declared one slot": (_topk_pdm, {**PDM, "support": "slot", "uses_k": False}, "support"),
     "delta read, declared unread": (_ratio_with_delta, {"uses_delta": False}, "uses_delta"),
     "delta read, left out": (_ratio_with_delta, {}, "uses_delta"),
@@ -163,16 +165,16 @@ def test_the_same_functions_declared_truly_register_with_that_record(registry, f
     assert {key: record[key] for key in declared} == {k: tuple(v) if k == "needs" else v for k, v in declared.items()}
 
 
-def test_one_probe_misses_the_branch_the_probe_set_takes():
+def test_one_check_case_misses_the_branch_the_check_set_takes():
     """The untaken-branch rule on a single probe (mixed Â, δ = 0.05) reads no δ: a record derived
     from one call would lie; over the set, the all-negative-Â probe reads it."""
-    stats = rule_probe.probe_stats()[3, "union", "mixed"]
+    stats = rule_check.check_stats()[3, "union", "mixed"]
     stats_reads, cfg_reads = set(), set()
-    cfg = rule_probe._ProbeConfig(rule_probe.PROBE_CONFIG, cfg_reads)
-    _delta_only_when_all_negative(rule_probe.RuleProbe(stats, stats_reads),
-                                  torch.tensor(rule_probe.ADVANTAGES["mixed"], dtype=torch.float64), cfg)
+    cfg = rule_check._CheckConfig(rule_check.CHECK_CONFIG, cfg_reads)
+    _delta_only_when_all_negative(rule_check.RuleCheckStats(stats, stats_reads),
+                                  torch.tensor(rule_check.ADVANTAGES["mixed"], dtype=torch.float64), cfg)
     assert "delta" not in cfg_reads
-    assert "delta" in rule_probe.observe("branchy", _delta_only_when_all_negative, "token").cfg_reads
+    assert "delta" in rule_check.observe("branchy", _delta_only_when_all_negative, "token").cfg_reads
 
 
 def _alternative(field, value):
@@ -197,24 +199,55 @@ def test_every_builtin_name_is_literal_where_it_is_registered():
     sources = {path: path.read_text(encoding="utf-8") for path in
                (ROOT / "pdm_lab" / "masks.py", ROOT / "pdm_lab" / "framework_rules.py")}
     for name in MASK_RULES:
-        hits = [p for p, text in sources.items() if re.search(rf'@register_mask\(\s*"{re.escape(name)}"', text)]
+        hits = [p for p, text in sources.items() if re.search(rf'@_register_builtin\(\s*"{re.escape(name)}"', text)]
         assert len(hits) == 1, name
     for text in sources.values():
         assert "register_mask(f" not in text and not re.search(r"^\s+register_mask\(", text, re.M)
 
 
-def test_the_probe_set_covers_what_its_docstring_says():
-    stats = rule_probe.probe_stats()
-    wide = rule_probe.support_from_full(
-        torch.log_softmax(torch.tensor([row for row, _ in rule_probe._MU], dtype=torch.float64), dim=1),
-        torch.tensor([k for _, k in rule_probe._MU]), k=3, convention="union")
+def test_the_check_set_covers_what_its_docstring_says():
+    stats = rule_check.check_stats()
+    wide = rule_check.support_from_full(
+        torch.log_softmax(torch.tensor([row for row, _ in rule_check._MU], dtype=torch.float64), dim=1),
+        torch.tensor([k for _, k in rule_check._MU]), k=3, convention="union")
     assert bool(torch.isneginf(wide.mu_logp).any())                              # cut tokens in the top-K
     assert bool((stats[1, "union", "mixed"].topk_kl != stats[1, "kslot", "mixed"].topk_kl).any())
     assert bool((stats[1, "union", "r>1"].log_ratio > 0).all())                 # each sign of r − 1
     assert bool((stats[1, "union", "r<1"].log_ratio < 0).all())
     assert bool((stats[1, "union", "mixed"].log_ratio == 0).any())
     d = torch.stack([s.topk_kl for s in stats.values()])
-    deltas = [c["delta"] for c in rule_probe.CONFIGS]
+    deltas = [c["delta"] for c in rule_check.CONFIGS]
     assert bool((d > min(deltas)).any()) and not bool((d > max(deltas)).any())  # outside and inside
-    signs = {tuple(torch.sign(torch.tensor(a)).unique().tolist()) for a in rule_probe.ADVANTAGES.values()}
+    signs = {tuple(torch.sign(torch.tensor(a)).unique().tolist()) for a in rule_check.ADVANTAGES.values()}
     assert {(1.0,), (-1.0,), (0.0,), (-1.0, 0.0, 1.0)} <= signs
+
+
+@pytest.mark.parametrize("name", sorted(MASK_RULES))
+def test_every_builtin_rule_passes_the_registration_check(name):
+    """Built-in rules register unchecked (no process pays the check at import); the suite runs the
+    same check on each, so a built-in whose record lies fails here by name."""
+    from pdm_lab.masks import check_registered
+
+    check_registered(MASK_RULES[name])
+
+
+def test_a_builtin_whose_record_lies_fails_the_suites_check():
+    import dataclasses
+
+    from pdm_lab.masks import check_registered
+    from pdm_lab.rule_check import RuleRecordError
+
+    lying = dataclasses.replace(MASK_RULES["pdm_topk"], uses_delta=False, said=MASK_RULES["pdm_topk"].said | {"uses_delta"})
+    with pytest.raises(RuleRecordError, match="uses_delta"):
+        check_registered(lying)
+
+
+def test_importing_the_library_runs_no_registration_check():
+    import subprocess
+    import sys
+
+    code = ("import pdm_lab.rule_check as c; calls = []; real = c.observe\n"
+            "c.observe = lambda *a, **k: calls.append(a[0]) or real(*a, **k)\n"
+            "import pdm_lab.masks as m; import pdm_lab.framework_rules\n"
+            "assert len(m.MASK_RULES) > 20 and not calls, calls\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -172,7 +172,7 @@ def test_stored_policies_are_not_read_for_another_training_configuration(tmp_pat
 
 # ---- audit points, verdicts that need data, flips, compact tokens, safe resume ----
 
-from pdm_lab.audit import FLIP_CAUSES, INSUFFICIENT  # noqa: E402
+from pdm_lab.audit.measure import FLIP_CAUSES, INSUFFICIENT  # noqa: E402
 from pdm_lab.envs.audit import flips as audit_flips  # noqa: E402
 from pdm_lab.envs.audit.batch import audit_batch, float64_tokens  # noqa: E402
 from pdm_lab.envs.audit.step import measure, rule_step  # noqa: E402

@@ -12,7 +12,7 @@ from pdm_lab.envs.problems.mismatch import Mismatch
 from pdm_lab.envs.policies.models import make_policy
 from pdm_lab.envs.problems.prior import zipf_logits, zipf_tail_mass
 from pdm_lab.envs.problems.problem import ProblemConfig, make_problem
-from pdm_lab.advantages import group_advantages
+from pdm_lab.lab.advantages import group_advantages
 from pdm_lab.envs.problems.rollout import RolloutRNG
 from pdm_lab.envs.problems.sampling import UniformPool, sample_from_cdf, sample_from_logits
 from pdm_lab.envs.problems.tasks import make_task

@@ -76,7 +76,7 @@ def test_table_from_a_scaling_run_sample(tmp_path):
 
 
 def test_calibrate_command_writes_the_table(tmp_path, capsys):
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     assert main(["calibrate", "--preset", "quick", "--seeds", "1", "--sequences", "128", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "calibration.json").read_text())

@@ -32,7 +32,9 @@ def test_quick_preset_end_to_end(tmp_path):
     assert f"report: {Path('runs') / 'sweep-quick' / 'report.md'}" in res.stdout
     with open(out / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 4 * 3 * 2  # rules × mismatch settings × seeds
+    assert len(rows) == 5 * 4 * 3  # (4 rules + TIS) × (3 precision points + 1 staleness point) × seeds
+    assert {int(r["minibatches"]) for r in rows} == {1, 8}
+    assert all(int(r["optimizer_steps"]) == 30 * int(r["minibatches"]) for r in rows if r["nonfinite"] == "false")
     for column in ("rule", "delta", "k", "convention", "estimator", "mismatch_kind", "mismatch_strength",
                    "seed", "cell_id", "final_reward", "collapsed", "unsafe_keep",
                    "realised_topk_kl_mean", "realised_full_kl_mean", "mask_fraction"):
@@ -42,19 +44,22 @@ def test_quick_preset_end_to_end(tmp_path):
                    "Direction audit", "effective per-token step", "one token per state",
                    "figures/final_reward_vs_mismatch.png"):
         assert needle in report
-    # 10-step runs over 2 seeds: no collapse rate, no winner (only what was measured)
-    assert "- lowest collapse rate: n/a (runs of 10 steps; the collapse definition needs ≥ 30)" in report
-    assert "- highest final reward: no winner: tied (" in report and "2 seeds < 3 per configuration" in report
+    # 30-step runs over 3 seeds: a collapse rate, and the two-axis strength study's verdicts
+    assert "- lowest collapse rate: " in report and "- highest final reward: " in report
+    for needle in ("### Strength study (two axes)", "#### precision axis", "#### staleness axis",
+                   "precision axis (none → lognormal:0.5): where each rule first degrades",
+                   "staleness axis: where rules separate", "none+TIS(c=2)", "MDD (reward, 80% power)"):
+        assert needle in report, needle
     for png in ("learning_curves", "final_reward_vs_mismatch", "collapse_vs_mismatch",
-                "unsafe_keep_vs_mismatch", "mask_fraction_vs_mismatch"):
+                "unsafe_keep_vs_mismatch", "mask_fraction_vs_mismatch", "strength_reward", "strength_collapse"):
         assert (out / "figures" / f"{png}.png").stat().st_size > 1000
     # the report opens with its summary; the stress audit separates the rules, said to be a stress setting
-    assert report.startswith("# pdm_lab toy sweep\n\n## Summary\n") and "a short job" in report
+    assert report.startswith("# pdm_lab toy sweep\n\n## Summary\n")
     assert "Separated (the interval excludes 0): `noise:1` (**stress**)" in report
     audit = json.loads((out / "audit" / "audit.json").read_text())
     assert len(audit["per_seed"]) == 2 and audit["pairs"][0]["audit_step"] > 0  # the quick audit: a trained point
     # the quick audit preset's power per seed at its trained point: ≥ 20 disagreement tokens each
-    from pdm_lab.audit import INSUFFICIENT
+    from pdm_lab.audit.measure import INSUFFICIENT
     from pdm_lab.envs.presets import AUDIT_PRESETS
     quick = AUDIT_PRESETS["quick"]
     assert audit["pairs"][0]["audit_step"] == quick.main_step
@@ -62,7 +67,7 @@ def test_quick_preset_end_to_end(tmp_path):
     assert audit["pairs"][0]["verdict"].startswith(INSUFFICIENT)  # two seeds: never a verdict
     assert [p["step"] for p in audit["trajectory"]] == list(quick.audit_at)
     again = run("sweep", "--preset", "quick", cwd=tmp_path)  # resumes: nothing to recompute
-    assert again.returncode == 0 and "0 runs now, 24 reused" in again.stdout
+    assert again.returncode == 0 and "0 runs now, 60 reused" in again.stdout
 
 
 def test_audit_command_writes_json_and_summary(tmp_path):

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdm_lab.probe import own_direction
-from pdm_lab.probe_record import step_scale_record
+from pdm_lab.audit.probe import own_direction
+from pdm_lab.audit.probe_record import step_scale_record
 
 from pdm_lab.envs.audit.batch import audit_batch, audit_model, float64_tokens
 from pdm_lab.envs.audit.config import AuditConfig
@@ -194,8 +194,8 @@ def test_smaller_steps_have_a_smaller_relative_change(doc):
 
 
 def test_calibrate_from_run_reports_the_probe_statistics_and_which_match(doc, tmp_path, capsys):
-    from pdm_lab.audit_live import json_safe
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.audit.live import json_safe
+    from pdm_lab.cli.main import main
 
     run = tmp_path / "run"
     run.mkdir()

@@ -126,7 +126,7 @@ def test_engine_kinds_round_weights_and_activations_like_an_engine():
     from pdm_lab.envs.problems.encoders import BanditEncoder
     from pdm_lab.envs.problems.mismatch import Mismatch
     from pdm_lab.envs.policies.models import NeuralPolicy
-    from pdm_lab.quantize import quantize_dequantize
+    from pdm_lab.lab.quantize import quantize_dequantize
 
     gen = torch.Generator().manual_seed(0)
     prior = torch.randn(8, 300, generator=gen) * 3 + 25.0  # an LLM's logit level
@@ -145,7 +145,7 @@ def test_engine_kinds_round_weights_and_activations_like_an_engine():
 
 
 def test_scaling_fp8_uses_the_core_formula():
-    from pdm_lab import quantize
+    from pdm_lab.lab import quantize
     from pdm_lab.scaling import fp8
 
     assert fp8.quantize_dequantize is quantize.quantize_dequantize

@@ -16,8 +16,8 @@ from pdm_lab.envs.sweep.executors import LocalExecutor, make_executor
 from pdm_lab.envs.problems.problem import ProblemConfig
 from pdm_lab.envs.sweep.grid import COLUMNS, SweepConfig, cell_id, load_runs, mismatch_axis, run_sweep
 from pdm_lab.envs.train.grpo import TrainConfig
-from pdm_lab.runtime.outputs import OutputPathError
-from pdm_lab.runtime.results import read_results
+from pdm_lab.lab.outputs import OutputPathError
+from pdm_lab.lab.results import read_results
 
 TINY = SweepConfig(
     base=TrainConfig(problem=ProblemConfig(kind="bandit"), steps=2, groups_per_step=8, group_size=8),
@@ -87,7 +87,8 @@ def test_kill_mid_sweep_then_resume_loses_only_runs_in_flight(tmp_path):
     out = tmp_path / "sweep"
     args = _cli() + ["sweep", "--out", str(out), "--no-audit", "--quiet", "--workers", "2",
                      "base.problem.kind=bandit", "base.policy=tabular", "base.steps=6",
-                     "rules=[dppo_topk_kl,pdm_uniform]", "mismatches=[none,noise:1]", "--seeds", "4"]
+                     "rules=[dppo_topk_kl,pdm_uniform]", "mismatches=[none,noise:1]", "minibatches=[1]", "tis_rules=[]",
+                     "--seeds", "4"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and len(list(out.glob("cells/*/seed_*.json"))) < 2:
@@ -128,7 +129,7 @@ def test_out_holding_another_grids_results_is_refused(tmp_path):
 
 
 def test_sweep_cli_refuses_another_grids_out_in_one_line(tmp_path, capsys):
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     out = tmp_path / "s"
     grid = ["base.problem.kind=bandit", "base.policy=tabular", "base.steps=2", "mismatches=[none]", "--seeds", "1",

@@ -9,9 +9,9 @@ import statistics
 import pytest
 import torch
 
-from pdm_lab.audit import paired_rate_diff_ci, rate_diff_ci
-from pdm_lab.probe import summarize_probe
-from pdm_lab.probe_record import step_scale_record
+from pdm_lab.audit.intervals import paired_rate_diff_ci, rate_diff_ci
+from pdm_lab.audit.probe import summarize_probe
+from pdm_lab.audit.probe_record import step_scale_record
 
 from pdm_lab.envs.transfer.mechanism import mechanism_doc, mechanism_markdown
 

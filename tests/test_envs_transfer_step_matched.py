@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from pdm_lab.audit import rate_diff_ci, wilson_ci
-from pdm_lab.probe_record import step_scale_record
+from pdm_lab.audit.intervals import rate_diff_ci, wilson_ci
+from pdm_lab.audit.probe_record import step_scale_record
 
 from pdm_lab.envs.transfer.step_matched import nearest_scale, pooled_step_scales, step_matched
 
@@ -109,7 +109,7 @@ def test_transfer_refuses_runs_of_different_settings_with_exit_2(tmp_path, capsy
     refused as bad input (exit 2, one line naming the key), before any toy work."""
     import json
 
-    from pdm_lab.runtime import cli
+    from pdm_lab.cli import main as cli
 
     for name, delta in (("a", 5e-4), ("b", 1e-4)):
         run = tmp_path / name
@@ -129,7 +129,7 @@ def test_transfer_compares_a_given_toy_audit_and_refuses_one_of_another_setting(
     import json
 
     from pdm_lab.config import from_dict, to_dict
-    from pdm_lab.runtime.results import ResultsError
+    from pdm_lab.lab.results import ResultsError
 
     from pdm_lab.envs.audit.config import AuditConfig
     from pdm_lab.envs.audit.study import run_audit

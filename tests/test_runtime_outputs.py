@@ -1,4 +1,4 @@
-"""The output-path policy (``pdm_lab.runtime.outputs``): inputs and other commands' files are never
+"""The output-path policy (``pdm_lab.lab.outputs``): inputs and other commands' files are never
 overwritten without force, a folder holding another result is refused while the same result
 resumes, and run names cannot walk out of ``runs/``."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdm_lab.runtime.outputs import (OutputPathError, check_name, check_not_input, check_overwritable,
+from pdm_lab.lab.outputs import (OutputPathError, check_name, check_not_input, check_overwritable,
                                      claim_output_dir, inside)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_inside(tmp_path):
 def test_train_refuses_a_run_name_that_escapes_runs(tmp_path, capsys):
     """As a user runs it: ``pdm-lab train --dry-run name=../../../../elsewhere`` exits 2 in one line
     and creates nothing; a plain name passes the config check."""
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     cfg = str(REPO / "scaling" / "configs" / "tiny-cpu.yaml")
     assert main(["train", "--config", cfg, "--dry-run", "name=../../../../elsewhere"]) == 2

@@ -1,9 +1,9 @@
-"""The one JSON Lines reader and writer (pdm_lab.runtime.records): what is written reads back, in
+"""The one JSON Lines reader and writer (pdm_lab.lab.records): what is written reads back, in
 order, with line numbers; a damaged line is named by file and line in the caller's error type."""
 import pytest
 
 from pdm_lab.config import ConfigError
-from pdm_lab.runtime.records import JsonlWriter, read_jsonl
+from pdm_lab.lab.records import JsonlWriter, read_jsonl
 
 
 def test_written_lines_read_back_in_order_with_their_numbers(tmp_path):

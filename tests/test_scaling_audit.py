@@ -89,7 +89,7 @@ def _identical(a, b) -> dict:
 def _fsdp_worker(rank: int, world: int, store: str, tied: bool, param_dtype: str, queue) -> None:
     import torch.distributed as dist
 
-    from pdm_lab import host_snapshot
+    from pdm_lab.audit import snapshot as host_snapshot
     from pdm_lab.scaling.policy_model import sequence_logprobs, shard_policy
 
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
@@ -186,7 +186,8 @@ def _audit_counts(record, rule, pair="none|dppo_topk_kl"):
 
 
 def test_each_rules_delta_d_equals_a_fresh_copy_stepped_alone(setup, monkeypatch):
-    from pdm_lab import audit_live, host_snapshot
+    from pdm_lab.audit import live as audit_live
+    from pdm_lab.audit import snapshot as host_snapshot
 
     lm, batch = setup
     cfg = _cfg(rules=("none", "dppo_topk_kl", "pdm_topk"))

@@ -94,7 +94,7 @@ def test_rotation_after_resuming_behind_a_damaged_newer_checkpoint_keeps_the_new
 
 def test_train_command_with_every_checkpoint_damaged_exits_2_in_one_line(run_dir, capsys):
     """As a user runs it: ``pdm-lab train`` on a run whose checkpoints are all damaged."""
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     for s in (2, 4):
         _truncate(run_dir / "checkpoints" / f"step_0000000{s}")

@@ -176,7 +176,7 @@ def test_dry_run_layout_must_divide(fake_assets):
 
 
 def test_cli_dry_run_as_a_user_runs_it(fake_assets, capsys, tmp_path, monkeypatch):
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     monkeypatch.chdir(tmp_path)  # the real run below takes its run directory (relative) before it fails
 

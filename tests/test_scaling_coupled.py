@@ -100,7 +100,7 @@ def _logp_k(policy, micros, supports):
 def _u(model, micros, supports):
     """∇_θ D_O (P = I) by the same differentiable D the loop uses."""
     from pdm_lab.coupled import differentiable_topk_kl, outside_set
-    from pdm_lab.stats import token_stats
+    from pdm_lab.token_stats import token_stats
 
     policy = PolicyModel(model)
     model.zero_grad(set_to_none=True)
@@ -187,7 +187,7 @@ def test_promotable_from_a_sweep(tmp_path):
     import dataclasses
     from pathlib import Path
 
-    from pdm_lab.runtime.results import write_results
+    from pdm_lab.lab.results import write_results
     from pdm_lab.scaling.config import load_config
     from pdm_lab.scaling.promote import promote
     from test_scaling_promote import row

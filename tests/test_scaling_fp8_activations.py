@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from pdm_lab.config import ConfigError
-from pdm_lab.quantize import FP8_MAX, quantize_dequantize_groups
+from pdm_lab.lab.quantize import FP8_MAX, quantize_dequantize_groups
 from pdm_lab.scaling.config import RolloutConfig, TinyModelConfig, load_config
 from pdm_lab.scaling.fp8 import install_activation_quant, is_quantised_linear, quantize_activations
 

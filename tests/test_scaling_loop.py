@@ -33,14 +33,14 @@ PLUGIN = '''
 """Test plugin: a mask rule that logs each call and delegates to the registry's pdm_topk, and a
 verifier that raises on some responses."""
 import os
-from pdm_lab.masks import MASK_RULES, RuleProbe, register_mask
+from pdm_lab.masks import MASK_RULES, RuleCheckStats, register_mask
 
 _inner = MASK_RULES["pdm_topk"]
 
 
 @register_mask("counting_pdm_topk", like="pdm_topk")  # the same record as the rule it wraps
 def counting(stats, advantages, cfg):
-    if not isinstance(stats, RuleProbe):  # register_mask runs the rule on its probe set
+    if not isinstance(stats, RuleCheckStats):  # register_mask runs the rule on its check set
         with open(os.environ["PDM_TEST_MASK_LOG"], "a") as fh:
             fh.write(f"{os.environ.get('RANK', '?')} {advantages.numel()}\\n")
     return _inner(stats, advantages, cfg)

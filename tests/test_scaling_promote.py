@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pdm_lab.mask_config import MaskConfig
-from pdm_lab.runtime.results import SCHEMA_VERSION, ResultsError, SweepRow, read_results, write_results
+from pdm_lab.lab.results import SCHEMA_VERSION, ResultsError, SweepRow, read_results, write_results
 from pdm_lab.scaling.config import load_config
 from pdm_lab.scaling.promote import SweepError, choose, group_cells, promote
 
@@ -51,7 +51,7 @@ SEPARATED = (cell_rows("c_ratio", "ppo_clip", [0.70, 0.72, 0.71])
              + cell_rows("c_pdm_b", "pdm_uniform", [0.82, 0.80, 0.81], unsafe=0.31, delta=0.05)
              + cell_rows("c_dppo", "dppo_topk_kl", [0.75, 0.77, 0.76]))
 
-#: The issue's example: ppo_clip chosen by a 0.136 mean over two 10-step seeds, tied with the runner-up.
+#: A near-tie example: ppo_clip chosen by a 0.136 mean over two 10-step seeds, tied with the runner-up.
 ISSUE_EXAMPLE = (cell_rows("c_ppo", "ppo_clip", [0.130, 0.142], steps=10)
                  + cell_rows("c_dppo", "dppo_topk_kl", [0.129, 0.139], steps=10, estimator="topk")
                  + cell_rows("c_none", "none", [0.20, 0.05], collapsed=(1,), steps=10))
@@ -104,7 +104,7 @@ def test_promote_from_json_writes_a_runnable_config(tmp_path):
 
 def test_the_issue_example_is_refused_and_allow_tie_says_so(tmp_path, capsys):
     """ppo_clip by a 0.136 mean over two 10-step seeds, tied with the runner-up: exit 2, one line."""
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     sweep = sweep_dir(tmp_path, ISSUE_EXAMPLE)
     out = tmp_path / "launch.sh"
@@ -150,7 +150,7 @@ def test_each_shortfall_alone_refuses(tmp_path):
 
 
 def test_output_policy_refuses_inputs_and_foreign_files(tmp_path, capsys):
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     sweep = sweep_dir(tmp_path)
     base = tmp_path / "base.yaml"
@@ -280,7 +280,7 @@ def test_non_finite_or_truncated_cell_config(tmp_path):
 
 
 def test_promote_cli(tmp_path, capsys):
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     sweep = sweep_dir(tmp_path, name="s")
     out = tmp_path / "o.yaml"
@@ -296,7 +296,7 @@ def test_promote_cli(tmp_path, capsys):
 
 def test_promote_from_a_real_toy_sweep(tmp_path):
     """The toy stage's own sweep output (results schema, cells/<id>/config.json) promotes unchanged."""
-    from pdm_lab.runtime.cli import main
+    from pdm_lab.cli.main import main
 
     out_dir = tmp_path / "sweep"
     assert main(["sweep", "--preset", "quick", "rules=[dppo_topk_kl,pdm_uniform]", "mismatches=[noise:1]",

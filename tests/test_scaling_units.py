@@ -15,7 +15,7 @@ import pdm_lab.policy_side
 import pdm_lab.support
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.scaling import policy_model, train_step
-from pdm_lab.advantages import group_advantages
+from pdm_lab.lab.advantages import group_advantages
 from pdm_lab.scaling.config import TinyModelConfig, TrainerConfig
 from pdm_lab.scaling.fp8 import dequantize_blockwise, quantize_blockwise, quantize_dequantize
 from pdm_lab.scaling.policy_model import PolicyModel

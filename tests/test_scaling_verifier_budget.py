@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pdm_lab.runtime.lifetime import alive
+from pdm_lab.lab.lifetime import alive
 from pdm_lab.scaling import math_worker, verifiers
 from pdm_lab.scaling.math_value import MAX_BITS, MAX_TOKENS, _Budget, grade_values, parse_value
 from pdm_lab.scaling.math_worker import MathWorker, worker

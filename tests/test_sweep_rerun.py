@@ -9,7 +9,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from pdm_lab.runtime import cli
+from pdm_lab.cli import main as cli
 
 TINY_GRID = ["sweep", "rules=[none]", "mismatches=[none]", "base.steps=2", "base.groups_per_step=4",
              "base.group_size=4", "base.eval_sequences=16", "--seeds", "1", "--no-audit", "--quiet",

@@ -15,7 +15,7 @@ import pytest
 wandb = pytest.importorskip("wandb")
 
 from pdm_lab.config import ConfigError  # noqa: E402
-from pdm_lab.runtime.wandb_log import WandbConfig  # noqa: E402
+from pdm_lab.lab.wandb_log import WandbConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "scaling" / "configs" / "tiny-cpu.yaml"
@@ -23,11 +23,13 @@ TINY = REPO / "scaling" / "configs" / "tiny-cpu.yaml"
 
 @pytest.fixture(autouse=True)
 def offline_wandb(tmp_path, monkeypatch):
-    """Every W&B file under tmp_path; offline, silent, no credentials."""
-    for var in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY"):
+    """Every W&B file under tmp_path; offline, silent, no credentials. ``WANDB_DIR`` and the
+    variables that fill in a run's fields are unset: a run's files go under its output folder."""
+    for var in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_TAGS",
+                "WANDB_RUN_GROUP", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_NAME", "WANDB_JOB_TYPE"):
         monkeypatch.delenv(var, raising=False)
     home = tmp_path / "wandb_home"
-    for var, sub in (("WANDB_DIR", "dir"), ("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"),
+    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"),
                      ("WANDB_DATA_DIR", "data"), ("WANDB_ARTIFACT_DIR", "artifacts")):
         monkeypatch.setenv(var, str(home / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -55,7 +57,8 @@ def read_offline_runs(folder: Path) -> list[dict]:
             values = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items[kind]()}
             if kind == "run":
                 run.update(id=rec.run.run_id, name=rec.run.display_name, group=rec.run.run_group,
-                           job_type=rec.run.job_type, tags=list(rec.run.tags), project=rec.run.project)
+                           job_type=rec.run.job_type, tags=list(rec.run.tags), project=rec.run.project,
+                           entity=rec.run.entity)
             target = {"run": run["config"], "config": run["config"], "summary": run["summary"]}.get(kind)
             if target is None:
                 run["history"].append(values)
@@ -101,7 +104,7 @@ def test_config_is_off_by_default_and_offline_when_on():
 def test_command_flags_give_the_same_section():
     import argparse
 
-    from pdm_lab.runtime.wandb_log import add_wandb_arguments, wandb_config_from_args
+    from pdm_lab.lab.wandb_log import add_wandb_arguments, wandb_config_from_args
 
     p = argparse.ArgumentParser()
     add_wandb_arguments(p)
@@ -135,6 +138,38 @@ def test_metrics_log_resumes_the_same_run_and_logs_the_audit_tables(tmp_path):
     assert second["history"][0]["a"] == 0.125
     tables = {k.split("/_type")[0] for row in second["history"] for k, v in row.items() if v == "table-file"}
     assert tables == {"audit/steps", "audit/regime"}
+    # the tables sit at the step they describe: no history step beyond the run's last one
+    assert [row["_step"] for row in first["history"]] == [1, 2]
+    assert [row["_step"] for row in second["history"]] == [2]
+
+
+def test_environment_fills_what_the_config_leaves_out(tmp_path, monkeypatch):
+    """``WANDB_PROJECT/ENTITY/MODE/TAGS/RUN_GROUP/DIR`` where the config is silent; the config
+    wins where it is set; the environment never turns W&B on. Read back from the offline files."""
+    from pdm_lab.lab.wandb_log import WandbRun
+
+    env = {"WANDB_PROJECT": "envproj", "WANDB_ENTITY": "envteam", "WANDB_TAGS": "x, y",
+           "WANDB_RUN_GROUP": "envgroup", "WANDB_DIR": str(tmp_path / "envdir"), "WANDB_MODE": "disabled"}
+    on = WandbConfig(mode="offline")
+    assert on.resolve(out_dir="out", group="cmd", env=env) == {
+        "project": "envproj", "entity": "envteam", "group": "envgroup", "dir": str(tmp_path / "envdir"),
+        "tags": ["x", "y"], "mode": "offline"}
+    mine = WandbConfig(project="p", entity="e", group="g", dir="d", tags=("t",), mode="offline")
+    assert mine.resolve(out_dir="out", group="cmd", env=env) == {
+        "project": "p", "entity": "e", "group": "g", "dir": "d", "tags": ["t"], "mode": "offline"}
+    assert WandbConfig(mode="offline").resolve(out_dir="out", group="cmd", env={}) == {
+        "project": "pdm_lab", "entity": None, "group": "cmd", "dir": "out", "tags": [], "mode": "offline"}
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert not WandbConfig().enabled and not WandbConfig(project="p").enabled  # WANDB_MODE=disabled
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert WandbConfig(project="p").resolved_mode == "offline" and not WandbConfig().enabled
+    run = WandbRun.start(WandbConfig(project="p", tags=()), name="n", out_dir=tmp_path / "out", config={"k": 1})
+    run.log({"a": 1.0}, step=1)
+    run.finish()
+    assert not (tmp_path / "out" / "wandb").exists()
+    (got,) = read_offline_runs(tmp_path / "envdir")
+    assert (got["project"], got["entity"], got["group"], got["tags"]) == ("p", "envteam", "envgroup", ["x", "y"])
 
 
 @pytest.mark.slow
@@ -187,9 +222,14 @@ def test_sweep_logs_one_run_per_cell_and_seed_and_a_report_run(tmp_path):
     logged = {k.split("/_type")[0]: v for row in report["history"] for k, v in row.items() if k.endswith("/_type")}
     assert logged.get("sweep/results") == logged.get("sweep/regime") == "table-file"
     assert any(v == "images/separated" or v == "image-file" for k, v in logged.items() if k.startswith("sweep/"))
-    # a second invocation reuses every run: only a new report run is logged
+    assert [row["_step"] for row in report["history"]] == [0]  # every table and image at one step
+    # a second invocation reuses every run: no cell run is logged again, and the report run is
+    # resumed (the same W&B run id; offline, its second part is a folder of its own)
     again = sweep_to_dir(cfg, out, executor=LocalExecutor(1), progress=False, wandb=wb)
-    assert again["wandb_runs"] == 0 and len(read_offline_runs(out)) == len(runs) + 1
+    assert again["wandb_runs"] == 0
+    reports = [r for r in read_offline_runs(out) if r["job_type"] == "sweep"]
+    assert len(reports) == 2 and reports[0]["id"] == reports[1]["id"]
+    assert reports[0]["id"] == (out / "wandb_report_run_id.txt").read_text().strip()
 
 
 def test_audit_and_transfer_documents_become_tables(tmp_path):

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from pdm_lab.advantages import group_advantages
+from pdm_lab.lab.advantages import group_advantages
 from pdm_lab.fast.compiled import one_thread
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.support import support_from_full

@@ -22,6 +22,8 @@ from pdm_lab.envs.train.grpo import OPTIMIZERS
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 CONTEXTS = ("shared", "distinct")
 PRECISION = torch.float64
+#: The dtypes an audit point can be trained in (``AuditConfig.train_precision``).
+TRAIN_PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
 
 
 @config_dataclass("")
@@ -76,6 +78,12 @@ class AuditConfig:
     """prompts per training step (× group_size sequences)."""
     train_lr: Annotated[float, positive] = 0.05
     """Adam's learning rate in the audited training."""
+    train_precision: str = "float64"
+    """dtype of the policy trained to the audit point and of its rollouts (the behaviour copy's
+    engine rounding is applied on top, as before). ``float64``: the trained point, and so every
+    count the audit reports, is the same on every CPU path and thread count (float32 kernels differ
+    in their last bits between instruction sets, and training amplifies that into another policy;
+    docs/reproducibility.md has the measurement); ``float32``: faster, machine-dependent."""
     context_features: Annotated[int, at_least(0)] = 0
     """neural policy: hashed context features that overlap across contexts (0: none)."""
     init_scale: Annotated[float, non_negative] = 0.01
@@ -124,6 +132,7 @@ class AuditConfig:
         if not self.contexts or any(c not in CONTEXTS for c in self.contexts):
             raise ConfigError(f"contexts: each of {', '.join(CONTEXTS)}, got {list(self.contexts)}")
         one_of("optimizer", self.optimizer, OPTIMIZERS)
+        one_of("train_precision", self.train_precision, TRAIN_PRECISIONS)
         for i, scale in enumerate(self.step_scales):
             if not scale > 0 or scale != scale or scale == float("inf"):
                 raise ConfigError(f"step_scales[{i}]: a positive multiple of lr, got {scale!r}")

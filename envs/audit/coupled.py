@@ -16,7 +16,7 @@ effective per-token step). Per seed, with O = {t : D_t > δ, Â_t ≠ 0} (the au
 
 Across seeds: per-seed values, the paired bootstrap CI of each rule's ΔD_O minus
 ``pdm_coupled``'s, an exact sign test, pooled unsafe-keep differences with a seed-cluster CI
-(``pdm_lab.audit``). Results are appended per seed to a JSONL file, so a killed study resumes.
+(``pdm_lab.audit.measure``). Results are appended per seed to a JSONL file, so a killed study resumes.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from pdm_lab import audit as stats_lib
+from pdm_lab.audit import intervals, measure as stats_lib
 from pdm_lab.config import to_dict
 
 from pdm_lab.envs.audit.batch import audit_batch, audit_model, float64_tokens
@@ -153,7 +153,7 @@ def summarize(cfg: CoupledAuditConfig, per_seed: list[dict], ctx: str) -> dict:
         out["rules"][rule] = entry
         if rule != COUPLED:
             out["delta_d_vs_coupled"][rule] = {
-                f"{s:g}": stats_lib.compare_paired([r["rules"][rule]["delta_d_outside"][f"{s:g}"] for r in recs],
+                f"{s:g}": intervals.compare_paired([r["rules"][rule]["delta_d_outside"][f"{s:g}"] for r in recs],
                                                    [r["rules"][COUPLED]["delta_d_outside"][f"{s:g}"] for r in recs],
                                                    n_boot=n_boot) for s in cfg.step_scales}
     ref = cfg.rules[0]
@@ -163,9 +163,9 @@ def summarize(cfg: CoupledAuditConfig, per_seed: list[dict], ctx: str) -> dict:
         out["unsafe_keep_vs_ref"][rule] = {
             "disagreement_mean": _mean([p["disagreement"] for p in pairs]),
             ref: stats_lib.pool(a_entries), rule: stats_lib.pool(b_entries),
-            "per_seed_diff": stats_lib.compare_paired([e["unsafe_keep"] for e in a_entries],
+            "per_seed_diff": intervals.compare_paired([e["unsafe_keep"] for e in a_entries],
                                                       [e["unsafe_keep"] for e in b_entries], n_boot=n_boot),
-            "pooled_diff": stats_lib.pooled_diff_ci(a_entries, b_entries, n_boot=n_boot)}
+            "pooled_diff": intervals.pooled_diff_ci(a_entries, b_entries, n_boot=n_boot)}
     return out
 
 

@@ -24,7 +24,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from pdm_lab.audit import FLIP_CAUSES
+from pdm_lab.audit.measure import FLIP_CAUSES
 from pdm_lab.mask_config import MaskConfig
 
 from pdm_lab.envs.policies.base import cached_input

@@ -1,6 +1,6 @@
 """SPEC §6d on a toy's audited batch: the own-update probe, the step decomposition and the step sizes.
 
-The same core functions as the loop's live audit (``pdm_lab.audit_live``), so the records carry the
+The same core functions as the loop's live audit (``pdm_lab.audit.live``), so the records carry the
 same keys: ``probe_with_kernel`` (``probe/…``) with a ``ToyKernel`` — the core's
 ``FunctionalKernel`` over the policy's ``torch.func.functional_call`` on the probed rows, exact
 forward-mode J·u in float64 — ``decompose_live`` (``decomp/…``) from the rule's recorded step
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from pdm_lab.central_difference import adam_preconditioner
-from pdm_lab.probe import (FunctionalKernel, pool_decomposition, pool_probe, probe_rows, probe_with_kernel,
+from pdm_lab.audit.central_difference import adam_preconditioner
+from pdm_lab.audit.probe import (FunctionalKernel, pool_decomposition, pool_probe, probe_rows, probe_with_kernel,
                            support_in_float64)
-from pdm_lab.probe_record import decompose_live, step_scale_record
+from pdm_lab.audit.probe_record import decompose_live, step_scale_record
 
 from pdm_lab.envs.audit.config import AuditConfig
 from pdm_lab.envs.audit.step import audit_optimizer

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pdm_lab.advantages import group_advantages
+from pdm_lab.lab.advantages import group_advantages
 from pdm_lab.mask_config import MaskConfig
 
+from pdm_lab.envs.audit.config import TRAIN_PRECISIONS
 from pdm_lab.envs.audit.sft import sft_on_accepted
 from pdm_lab.envs.problems.mismatch import Mismatch
 from pdm_lab.envs.policies.models import make_policy
@@ -46,6 +47,7 @@ def training_key(cfg) -> str:
     """Everything a trained policy depends on (the audit-only fields left out), as stored text."""
     plain = plain_config(cfg)
     doc = {"problem": repr(cfg.problem), "policy": cfg.policy, "hidden": cfg.hidden, "init_scale": cfg.init_scale,
+           "train_precision": cfg.train_precision,
            "context_features": cfg.context_features, "warmup_steps": cfg.warmup_steps, "mismatch": cfg.mismatch,
            **({"sft_steps": cfg.sft_steps, "sft_lr": cfg.sft_lr} if cfg.sft_steps else {}),
            "mask": repr(plain.mask), "lr": plain.lr, "optimizer": plain.optimizer,
@@ -63,9 +65,11 @@ def plain_step(plain: TrainConfig, policy: nn.Module, opt, batch) -> None:
 
 
 def new_policy(cfg, problem, run: int) -> nn.Module:
-    """Run `run`'s initial policy (seeded by the run)."""
-    return make_policy(cfg.policy, problem.encoder, problem.prior, seed=run, hidden=cfg.hidden,
-                       init_scale=cfg.init_scale, context_features=cfg.context_features)
+    """Run `run`'s initial policy (seeded by the run, in ``cfg.train_precision``: the same initial
+    draw in either dtype)."""
+    policy = make_policy(cfg.policy, problem.encoder, problem.prior, seed=run, hidden=cfg.hidden,
+                         init_scale=cfg.init_scale, context_features=cfg.context_features)
+    return policy.to(TRAIN_PRECISIONS[cfg.train_precision])
 
 
 class TrainedPolicies:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from pdm_lab.audit import INSUFFICIENT
+from pdm_lab.lab.machine import machine_line
+from pdm_lab.audit.measure import INSUFFICIENT
 
 
 def _pct(x) -> str:
@@ -146,8 +147,16 @@ def paper_lines(doc: dict) -> list[str]:
 
 
 def cost_lines(doc: dict) -> list[str]:
-    return [f"Cost: {doc['wall_s']:.0f} s wall ({doc['main_audit_wall_s']:.0f} s the main study, training to the audit "
-            f"point included), peak memory {doc.get('peak_rss_gb', float('nan')):.2f} GB (resident set).", ""]
+    """The cost, and the machine every figure above was measured on (``pdm_lab.lab.machine``)."""
+    lines = [f"Cost: {doc['wall_s']:.0f} s wall ({doc['main_audit_wall_s']:.0f} s the main study, training to the audit "
+             f"point included), peak memory {doc.get('peak_rss_gb', float('nan')):.2f} GB (resident set).", ""]
+    if "machine" in doc:
+        precision = doc.get("config", {}).get("train_precision", "float32")
+        same = ("the trained point is float64: counts agree across CPU paths and thread counts"
+                if precision == "float64" else
+                "the trained point is float32: its counts move with the CPU path (docs/reproducibility.md)")
+        lines += [f"{machine_line(doc['machine'])}; {same}.", ""]
+    return lines
 
 
 def decision_sections(doc: dict) -> list[str]:

@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from pdm_lab.audit import MEASURED_DIVERGENCES, delta_rates, predicted_divergence, regime_table
+from pdm_lab.audit.measure import MEASURED_DIVERGENCES, delta_rates, predicted_divergence, regime_table
 from pdm_lab.masks import get_mask_rule, outside_region
 
 from pdm_lab.envs.audit import step as audit_step

@@ -1,14 +1,15 @@
 """The audit's statistics over seeds (SPEC §6): per pair and rule the pooled rates, the paired
 comparison and its gated verdict, the trajectory points, the flip causes, the paper side by side
-and the pooled regime table. Every formula is ``pdm_lab.audit``'s."""
+and the pooled regime table. Every formula is ``pdm_lab.audit.measure``'s."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 import torch
 
-from pdm_lab.audit import (MEASURED_DIVERGENCES, PAPER_FIGURES, compare_paired, data_sufficiency, flip_summary,
-                           gated_verdict, pooled_diff_ci, predicted_divergence, rate_summary, seeds_for_power)
+from pdm_lab.audit.intervals import compare_paired, pooled_diff_ci
+from pdm_lab.audit.measure import (MEASURED_DIVERGENCES, PAPER_FIGURES, data_sufficiency, flip_summary, gated_verdict,
+                                   predicted_divergence, rate_summary, seeds_for_power)
 from pdm_lab.masks import get_mask_rule
 
 from pdm_lab.envs.audit.config import AuditConfig
@@ -94,7 +95,7 @@ def _point(cfg: AuditConfig, per_seed: list[dict], pair: dict) -> dict:
 def flip_decomposition(cfg: AuditConfig, per_seed: list[dict], contexts: str) -> dict:
     """Per rule of the main pair: the cause split of its grown kept disagreement tokens (pooled
     over seeds) and its interference-only rate (dropped outside tokens that grew anyway)."""
-    from pdm_lab.audit import pool
+    from pdm_lab.audit.measure import pool
 
     out = {}
     for rule in cfg.all_rules:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from pdm_lab.audit import MEASURED_DIVERGENCES
+from pdm_lab.audit.measure import MEASURED_DIVERGENCES
 from pdm_lab.mask_config import MaskConfig
-from pdm_lab.probe_record import GradientRecorder
+from pdm_lab.audit.probe_record import GradientRecorder
 
 from pdm_lab.envs.audit.config import PRECISION, AuditConfig
 from pdm_lab.envs.train.grpo import make_optimizer

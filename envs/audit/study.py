@@ -6,7 +6,7 @@ recomputed, both the top-K KL and the full KL. For each compared pair (A, B), ov
 outside the region (D > δ, Â ≠ 0) where A and B disagree, each rule's kept tokens are classified
 by their ΔD with a tolerance (grow / shrink / flat), against each divergence. Every statistic
 (rates with counts, pooling, paired bootstrap CI, sign test, the regime table) comes from
-``pdm_lab.audit``.
+``pdm_lab.audit.measure``.
 
 The step is stated, not hidden: the audited loss is the token *sum* Σ_t M_t·Â_t·r_t (no 1/N), so
 with SGD at ``lr`` = η every token's own logits move by η·Â·r·(e_k − π) in a tabular state: η is
@@ -26,9 +26,9 @@ first ``trajectory_seeds`` seeds. The audit's tensors hold response tokens only 
 
 Per seed and rule the record also holds the interference-only rate (dropped outside tokens whose
 D grew anyway) and, for SGD, where each grown kept disagreement token's first-order ΔD came from
-(``audit_flips``). Verdicts need data (``pdm_lab.audit.data_sufficiency``); a power line gives
+(``audit_flips``). Verdicts need data (``pdm_lab.audit.measure.data_sufficiency``); a power line gives
 the seeds needed for the paper's 2.7-point difference at the measured per-seed spread; the
-one-token-per-state study is the audit's self-test (``pdm_lab.audit.self_test``).
+one-token-per-state study is the audit's self-test (``pdm_lab.audit.measure.self_test``).
 
 With ``probe_tokens`` > 0 (SPEC §6d, ``own_update``): the main pair at every step size of
 ``scales`` beside the Â = 0 step (``step_scales``), the own-update probe (``probe``) and each main
@@ -48,7 +48,8 @@ from pathlib import Path
 
 import torch
 
-from pdm_lab.audit import self_test
+from pdm_lab.lab.machine import machine_info
+from pdm_lab.audit.measure import self_test
 from pdm_lab.config import to_dict
 
 from pdm_lab.envs.audit.config import AuditConfig
@@ -189,5 +190,6 @@ def run_audit(cfg: AuditConfig, *, progress_bar: bool = False, seed_dir=None) ->
         "wall_s": wall,
         "main_audit_wall_s": main_s,
         "peak_rss_gb": _peak_rss_gb(),
+        "machine": machine_info(),
     }
 

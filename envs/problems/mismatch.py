@@ -30,7 +30,7 @@ Zipf logits (μ becomes nearly uniform on its head).
 Realistic kinds (SPEC §6b: μ is a deterministic function of the context, the same state gives the
 same μ). ``*_engine`` rounds what a low-precision engine rounds — the weights and the activations
 of the network policy — so the error grows with the magnitude of the values, as in a real engine
-(FP8 through the same block-wise formula as the scaling stage, ``pdm_lab.quantize``).
+(FP8 through the same block-wise formula as the scaling stage, ``pdm_lab.lab.quantize``).
 ``lognormal`` is a parametric heavy-tailed family: the context (the whole observation row) is
 hashed; the hash picks a fixed N(0, 1) error vector ξ_c over the vocabulary and a standard normal
 Z_c; μ's logits are z + σ·exp(s·Z_c)·ξ_c. σ is the median error scale, s the tail knob: D scales
@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from pdm_lab.config import ConfigError, config_dataclass, one_of  # field checks: a NaN strength is an error
-from pdm_lab.quantize import quantize_dequantize, quantize_dequantize_groups
+from pdm_lab.lab.quantize import quantize_dequantize, quantize_dequantize_groups
 
 #: tail_noise perturbs the tokens outside π's top this-many.
 TAIL_NOISE_TOP = 20

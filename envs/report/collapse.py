@@ -12,7 +12,7 @@ than π shifts both alike; π's own final reward is reported next to it (``final
 π falling while μ's batches do not (a sharper engine can hide it) shows only there.
 
 The flag means something only for runs of at least ``COLLAPSE_MIN_STEPS`` steps
-(``pdm_lab.runtime.evidence``: each smoothed point must average ``COLLAPSE_MIN_WINDOW``
+(``pdm_lab.lab.evidence``: each smoothed point must average ``COLLAPSE_MIN_WINDOW``
 batches, else the best is one lucky batch and the end one unlucky batch). Shorter runs get
 "n/a" in the report, and ``pdm-lab promote`` refuses to rest on them.
 
@@ -30,11 +30,11 @@ the README.
 from __future__ import annotations
 
 from pdm_lab.mask_config import MaskConfig
-from pdm_lab.runtime.evidence import COLLAPSE_MIN_STEPS, COLLAPSE_MIN_WINDOW
+from pdm_lab.lab.evidence import COLLAPSE_MIN_STEPS, COLLAPSE_MIN_WINDOW
 
 from pdm_lab.envs.problems.bandit import BanditConfig
 from pdm_lab.envs.problems.problem import ProblemConfig
-from pdm_lab.envs.report.summary import config_label, config_summary, group_rows, mismatch_label
+from pdm_lab.envs.report.summary import config_label, config_summary, group_rows, mismatch_label, point_label  # noqa: F401
 from pdm_lab.envs.sweep.grid import SweepConfig
 from pdm_lab.envs.train.grpo import TrainConfig
 
@@ -76,7 +76,7 @@ def collapse_section(rows: list[dict]) -> list[str]:
     lines = ["### Collapse", "", collapse_note(), "",
              "| mismatch | configuration | runs | collapsed | collapse rate [95% Wilson CI] | final reward of π [95% CI] | optimiser, lr | steps | epochs × mini-batches |",
              "| --- | --- | ---: | ---: | --- | --- | --- | ---: | --- |"]
-    for (mismatch,), group in group_rows(rows, lambda r: (mismatch_label(r),)).items():
+    for (mismatch,), group in group_rows(rows, lambda r: (point_label(r),)).items():
         for (label,), cell in group_rows(group, lambda r: (config_label(r),)).items():
             s = config_summary(cell)
             r0 = cell[0]

@@ -1,13 +1,13 @@
 """How the sweep's report ranks configurations: a criterion (a per-run outcome and its better
 direction) and ``decide``, which names a winner only where it is separated from the runner-up at
-95% with enough seeds (``pdm_lab.runtime.evidence``)."""
+95% with enough seeds (``pdm_lab.lab.evidence``)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Callable
 
-from pdm_lab.runtime.evidence import COLLAPSE_MIN_STEPS, collapse_measurable, separation, shortfalls
+from pdm_lab.lab.evidence import COLLAPSE_MIN_STEPS, collapse_measurable, separation, shortfalls
 
 from pdm_lab.envs.report.summary import config_label, group_rows, newcombe_diff_ci
 
@@ -49,7 +49,7 @@ def _rate_pair(best: list[dict], second: list[dict], field: str) -> tuple[str, s
 def decide(groups: dict[str, list[dict]], crit: Criterion) -> tuple[str | None, str]:
     """(the winning label or None, the report's words) for configurations ``groups`` (label →
     rows) on ``crit``: a winner only where it is separated from the runner-up at 95%
-    (``pdm_lab.runtime.evidence``) with enough seeds; otherwise "no winner: tied (…)"."""
+    (``pdm_lab.lab.evidence``) with enough seeds; otherwise "no winner: tied (…)"."""
     if crit.rate and not all(collapse_measurable(r["steps"]) for rows in groups.values() for r in rows):
         short = min(r["steps"] for rows in groups.values() for r in rows)
         return None, (f"n/a (runs of {short} steps; the collapse definition needs ≥ {COLLAPSE_MIN_STEPS})")

@@ -11,7 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from pdm_lab.envs.report.summary import collapse_rate, config_label, group_rows, mean_ci, mismatch_label, wilson_ci  # noqa: E402
+from pdm_lab.envs.report.summary import (collapse_rate, config_label, group_rows, mean_ci, mismatch_label,  # noqa: E402,F401
+                                         point_label, wilson_ci)
 
 X_LABEL = "realised mismatch: mean top-K KL(μ‖π) at update time"
 
@@ -51,7 +52,7 @@ def _legend_or_na(axes) -> None:
 def learning_curves(runs: list[dict], path: Path) -> Path:
     """Mean training reward per step (± 1.96 s.e. over seeds), a panel per mismatch setting."""
     rows = [dict(run["row"], curve=run["curve"]) for run in runs]
-    by_mismatch = group_rows(rows, lambda r: (mismatch_label(r),))
+    by_mismatch = group_rows(rows, lambda r: (point_label(r),))
     labels = list(dict.fromkeys(config_label(r) for r in rows))
     colors = _colors(labels)
     fig, axes = _panels(len(by_mismatch))
@@ -86,7 +87,7 @@ def _vs_mismatch(rows: list[dict], metric: Callable[[list[dict]], tuple[float, f
         subset = [r for r in rows if r["mismatch_kind"] in (kind, "none")]
         for label, cfg_rows in group_rows(subset, lambda r: (config_label(r),)).items():
             points = []
-            for _, cell in group_rows(cfg_rows, lambda r: (r["mismatch"],)).items():
+            for _, cell in group_rows(cfg_rows, lambda r: (r["mismatch"], r["minibatches"])).items():
                 x = mean_ci((r["update_topk_kl_mean"] for r in cell), n_boot=200)[0]
                 points.append((x, *metric(cell)))
             points = sorted(p for p in points if not math.isnan(p[0]) and not math.isnan(p[1]))
@@ -118,6 +119,58 @@ def sweep_figures(runs: list[dict], out: Path) -> dict[str, Path]:
     figs["mask_fraction"] = _vs_mismatch(
         rows, lambda cell: mean_ci(r["mask_fraction"] for r in cell), "fraction of tokens masked",
         out / "mask_fraction_vs_mismatch.png")
+    figs.update(strength_figures(rows, out))
+    return figs
+
+
+def strength_figures(rows: list[dict], out: Path) -> dict[str, Path]:
+    """The two-axis strength study (``envs.report.strength``): final reward (Student-t 95% band)
+    and collapse rate (Wilson 95% band) of each rule against each axis, SPEC §6b's realistic
+    points shaded; nothing when the grid has no axis of ≥ 2 points."""
+    from pdm_lab.envs.report.strength import axes as study_axes
+    from pdm_lab.lab.evidence import mean_t_ci
+
+    study = study_axes(rows)
+    if not study:
+        return {}
+    labels = list(dict.fromkeys(config_label(r) for r in rows))
+    colors = _colors(labels)
+
+    def reward(cell):
+        e = mean_t_ci(r["final_reward"] for r in cell)
+        return (e.mean, e.lo, e.hi) if not math.isnan(e.lo) else (e.mean, e.mean, e.mean)
+
+    figs = {}
+    for name, metric, ylabel in (("strength_reward", reward, "final reward of π (95% t band)"),
+                                 ("strength_collapse", collapse_rate, "collapse rate (95% Wilson band)")):
+        fig, panels = _panels(len(study), width=5.0, height=3.6)
+        for ax, (axis, points) in zip(panels, study.items()):
+            xs = [p.m for p in points] if axis == "staleness" else list(range(len(points)))
+            real = [x for x, p in zip(xs, points) if p.realistic]
+            if real:  # the realistic band: the span of the points in SPEC §6b's band
+                pad = 0.25 if axis == "precision" else 0.0
+                lo, hi = (min(real) - pad, max(real) + pad) if axis == "precision" else (min(real) / 1.3, max(real) * 1.3)
+                ax.axvspan(lo, hi, color="0.85", zorder=0, label="realistic (SPEC §6b)")
+            for label in labels:
+                pts = [(x, *metric(p.by_rule()[label])) for x, p in zip(xs, points) if label in p.by_rule()]
+                pts = [q for q in pts if not math.isnan(q[1])]
+                if not pts:
+                    continue
+                x, y, lo, hi = zip(*pts)
+                ax.plot(x, y, "o-", color=colors[label], label=label, lw=1.5, ms=4)
+                ax.fill_between(x, lo, hi, color=colors[label], alpha=0.15)
+            if axis == "staleness":
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(xs, [str(x) for x in xs])
+                ax.set_xlabel(f"M: optimiser steps per rollout batch (mismatch {points[0].mismatch})", fontsize=8)
+            else:
+                ax.set_xticks(xs, [p.label for p in points], rotation=20, fontsize=7)
+                ax.set_xlabel(f"precision mismatch (M = {points[0].m})", fontsize=8)
+            ax.set_title(f"{axis} axis", fontsize=10)
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.grid(alpha=0.3)
+        _legend_or_na(panels)
+        figs[name] = _save(fig, out / f"{name}.png")
     return figs
 
 

@@ -5,36 +5,31 @@ import math
 from collections import defaultdict
 from typing import Callable, Iterable
 
-from pdm_lab.audit import mean_ci  # noqa: F401  (SPEC §6 statistics live in the core)
+from pdm_lab.audit import intervals
+from pdm_lab.audit.intervals import mean_ci  # noqa: F401  (re-exported for the report modules)
 from pdm_lab.masks import MASK_RULES
 from pdm_lab.metrics import finalize, merge_metrics, metric
-from pdm_lab.runtime.evidence import collapse_measurable
+from pdm_lab.lab.evidence import collapse_measurable
 
 
 def finite(values: Iterable) -> list[float]:
     return [float(v) for v in values if v is not None and not math.isnan(float(v))]
 
 
-def wilson_ci(successes: int, trials: int, *, z: float = 1.959964) -> tuple[float, float, float]:
-    """Rate and Wilson score interval for a binomial proportion (collapse rate)."""
+def wilson_ci(successes: int, trials: int) -> tuple[float, float, float]:
+    """(rate, low, high): the core's Wilson 95% interval (``pdm_lab.audit.intervals.wilson_ci``)
+    beside its rate, the shape the report's tables print; all NaN with no trial."""
     if trials == 0:
         return math.nan, math.nan, math.nan
-    p = successes / trials
-    denom = 1 + z * z / trials
-    centre = (p + z * z / (2 * trials)) / denom
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
-    return p, min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
+    low, high = intervals.wilson_ci(successes, trials)
+    return successes / trials, low, high
 
 
 def newcombe_diff_ci(s1: int, n1: int, s2: int, n2: int) -> tuple[float, float, float]:
-    """p1 − p2 and Newcombe's hybrid-score 95% interval (from the two Wilson intervals); NaN: an
-    empty side."""
-    p1, l1, u1 = wilson_ci(s1, n1)
-    p2, l2, u2 = wilson_ci(s2, n2)
-    if math.isnan(p1) or math.isnan(p2):
-        return math.nan, math.nan, math.nan
-    d = p1 - p2
-    return d, d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+    """(p1 − p2, low, high): the core's Newcombe 95% interval (``pdm_lab.audit.intervals.rate_diff_ci``);
+    NaN: an empty side."""
+    diff = intervals.rate_diff_ci(s1, n1, s2, n2)
+    return diff["diff"], diff["lo"], diff["hi"]
 
 
 def group_rows(rows: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[dict]]:
@@ -56,11 +51,20 @@ def config_label(row: dict) -> str:
             parts.append(f"K={row['k']}")
         if row.get("convention", "union") != "union":
             parts.append(row["convention"])
+    cap = row.get("clip_ratio_c")
+    if cap is not None and not (isinstance(cap, float) and math.isnan(cap)):
+        parts[0] += f"+TIS(c={cap:g})"  # the truncated importance weight min(r, c) beside the mask
     return " ".join(parts)
 
 
 def mismatch_label(row: dict) -> str:
     return row.get("mismatch") or "none"
+
+
+def point_label(row: dict) -> str:
+    """A grid point's name: the mismatch, and M (optimiser steps per rollout batch) when above 1."""
+    m = row.get("minibatches", 1) or 1
+    return mismatch_label(row) + (f" · M={m}" if m > 1 else "")
 
 
 def pooled_unsafe_keep(rows: list[dict]) -> tuple[float, int]:
@@ -73,7 +77,7 @@ def pooled_unsafe_keep(rows: list[dict]) -> tuple[float, int]:
 
 def collapse_rate(rows: list[dict]) -> tuple[float, float, float]:
     """Collapse rate and its Wilson interval; NaN where a run is shorter than the collapse
-    definition needs (``pdm_lab.runtime.evidence.COLLAPSE_MIN_STEPS``)."""
+    definition needs (``pdm_lab.lab.evidence.COLLAPSE_MIN_STEPS``)."""
     if not all(collapse_measurable(r["steps"]) for r in rows):
         return math.nan, math.nan, math.nan
     return wilson_ci(sum(bool(r["collapsed"]) for r in rows), len(rows))

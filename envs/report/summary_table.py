@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 
-from pdm_lab.runtime.evidence import MIN_SEEDS, collapse_measurable
+from pdm_lab.lab.evidence import MIN_SEEDS, collapse_measurable
 
 from pdm_lab.envs.report.criteria import REWARD, _by_config, decide
+from pdm_lab.envs.report.strength import summary_rows as strength_rows
 
 
 def _pct(x) -> str:
@@ -71,6 +72,7 @@ def summary_lines(rows: list[dict] | None, regime: dict[str, dict], audit: dict 
              "| --- | --- | --- | --- |"]
     if rows:
         lines.append(_sweep_row(rows, regime))
+        lines += strength_rows(rows)
     for doc, label in ((audit, "direction audit"), (stress_audit, "direction audit, stress setting")):
         if doc is not None:
             lines.append(_audit_row(doc, label))

@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pdm_lab.runtime.evidence import COLLAPSE_MIN_STEPS, CRITERION
+from pdm_lab.lab.evidence import COLLAPSE_MIN_STEPS, CRITERION
 
 from pdm_lab.envs.report.collapse import collapse_note, collapse_section
 from pdm_lab.envs.report.criteria import COLLAPSE, MASKED, REWARD, UNSAFE_KEEP, _by_config, _num, _winner, decide
-from pdm_lab.envs.report.summary import config_summary, group_rows, mismatch_label
+from pdm_lab.envs.report.strength import strength_section
+from pdm_lab.envs.report.summary import config_summary, group_rows, mismatch_label, point_label
 
 
 def _ci(triple: tuple[float, float, float], digits: int = 3) -> str:
@@ -52,7 +53,7 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
               f"- lowest unsafe-keep rate: {_winner(configs, UNSAFE_KEEP)}",
               f"- fewest tokens masked: {_winner(configs, MASKED)}",
               "", "Per mismatch setting (highest final reward):", ""]
-    by_mismatch = group_rows(rows, lambda r: (mismatch_label(r),))
+    by_mismatch = group_rows(rows, lambda r: (point_label(r),))
     for (mismatch,), group in by_mismatch.items():
         lines.append(f"- `{mismatch}`: {_winner(_by_config(group), REWARD)}")
     lines += ["", "### All configurations", ""] + _config_table(overall)
@@ -60,12 +61,17 @@ def sweep_section(rows: list[dict], figures: dict[str, Path], root: Path) -> lis
         per = {label: config_summary(g) for label, g in _by_config(group).items()}
         lines += ["", f"#### mismatch `{mismatch}`", ""] + _config_table(per)
     lines += [""] + collapse_section(rows)
+    lines += strength_section(rows)
     lines += ["", "### Figures", ""]
     captions = {"learning_curves": "Learning curves (mean batch reward, ±1.96 s.e. over seeds)",
                 "final_reward": "Final reward of π against realised mismatch",
                 "collapse": f"Collapse rate against realised mismatch (no points for runs shorter than {COLLAPSE_MIN_STEPS} steps)",
                 "unsafe_keep": "Unsafe-keep rate (kept outside tokens whose D grew after the step) against realised mismatch",
-                "mask_fraction": "Fraction of tokens masked against realised mismatch"}
+                "mask_fraction": "Fraction of tokens masked against realised mismatch",
+                "strength_reward": "Strength study: final reward of π per rule against each axis (95% Student-t band; "
+                                   "grey: the points in SPEC §6b's realistic band)",
+                "strength_collapse": "Strength study: collapse rate per rule against each axis (95% Wilson band; "
+                                     "grey: the realistic points)"}
     for name, path in figures.items():
         lines += [f"![{captions.get(name, name)}]({path.relative_to(root).as_posix()})", "",
                   f"*{captions.get(name, name)}.*", ""]
@@ -143,7 +149,7 @@ def _pair_table(pairs: list[dict]) -> list[str]:
 
 def audit_section(doc: dict, figures: dict[str, Path], root: Path,
                   title: str = "## Direction audit (SPEC §6)") -> list[str]:
-    from pdm_lab.audit import verdict
+    from pdm_lab.audit.measure import verdict
 
     cfg = doc["config"]
     step = doc["step"]

@@ -1,11 +1,12 @@
-"""The toy commands' outputs in Weights & Biases (``pdm_lab.runtime.wandb_log``), after their files
+"""The toy commands' outputs in Weights & Biases (``pdm_lab.lab.wandb_log``), after their files
 are written, so W&B holds exactly the numbers of the JSON/JSONL files.
 
 - ``sweep``: one W&B run per cell × seed (job type ``cell``, grouped by the output folder): the
   cell's config and seed, its per-step JSONL as history, its results row as summary; plus one
   run per invocation (job type ``sweep``) with the sweep config, the results, regime and audit
   tables and the PNGs. A cell × seed already logged from this folder is not logged again
-  (``wandb_logged.json``), so a resumed sweep adds only the runs it finished.
+  (``wandb_logged.json``), so a resumed sweep adds only the runs it finished; the report run is
+  the same W&B run on every invocation (id in ``wandb_report_run_id.txt``, resumed).
 - ``audit``: one run (job type ``audit``): config, the pair / per-seed / regime tables, PNGs.
 - ``transfer``: one run (job type ``transfer``): the toy config, toy vs loop and both regime
   tables, the outcome in the summary.
@@ -17,8 +18,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pdm_lab.config import to_dict
-from pdm_lab.runtime.records import write_json_atomic
-from pdm_lab.runtime.wandb_log import WandbConfig, WandbRun, audit_tables, flat
+from pdm_lab.lab.records import write_json_atomic
+from pdm_lab.lab.wandb_log import WandbConfig, WandbRun, audit_tables, flat
 
 
 def _jsonable(doc: Any) -> Any:
@@ -54,8 +55,9 @@ def log_sweep(wb: WandbConfig, cfg: Any, out: Path, *, regime: Mapping[str, dict
             done.add(key)
             logged += 1
             write_json_atomic(marker, sorted(done))
+    # one report run per sweep folder: a re-run resumes it (its id kept in the folder)
     report = WandbRun.start(wb, name=f"{group} sweep", out_dir=out, group=group, job_type="sweep",
-                            config=_jsonable(to_dict(cfg)))
+                            config=_jsonable(to_dict(cfg)), resume_id_file=out / "wandb_report_run_id.txt")
     report.table("sweep/results", [r["row"] for r in load_runs(cfg, out)])
     report.table("sweep/regime", [{"mismatch": name, **flat(doc.get("table", doc))} for name, doc in regime.items()])
     for key, rows in (audit_tables(audit_doc) if audit_doc else {}).items():

@@ -17,7 +17,7 @@ EXECUTORS = ("local", "ray")
 def _init_worker() -> None:
     import torch
 
-    from pdm_lab.runtime.lifetime import die_with_parent
+    from pdm_lab.lab.lifetime import die_with_parent
 
     die_with_parent()  # a killed sweep leaves no worker writing into --out
     torch.set_num_threads(1)

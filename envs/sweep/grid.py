@@ -6,7 +6,7 @@ Layout of a results directory::
     cells/<cell_id>/config.json     the cell's TrainConfig (everything but the seed)
     cells/<cell_id>/seed_<s>.jsonl  per-step metrics, appended while the run goes
     cells/<cell_id>/seed_<s>.json   the finished run: its table row and reward curve
-    results.csv, results.json       the tidy table, one ``pdm_lab.runtime.results.SweepRow`` per cell × seed
+    results.csv, results.json       the tidy table, one ``pdm_lab.lab.results.SweepRow`` per cell × seed
 
 A run counts as finished once ``seed_<s>.json`` exists; it is written atomically by the
 coordinating process as soon as the run's result arrives. Re-running the same command skips
@@ -16,20 +16,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
 from pdm_lab.config import (ConfigError, at_least, config_dataclass, from_dict, in_range, non_empty,  # field checks
-                            non_negative, to_dict)
-from pdm_lab.runtime.locking import DirLock
-from pdm_lab.runtime.outputs import claim_output_dir
+                            non_negative, one_of, to_dict)
+from pdm_lab.lab.locking import DirLock
+from pdm_lab.lab.outputs import claim_output_dir
 from pdm_lab.masks import get_mask_rule
-from pdm_lab.runtime.results import COLUMNS, ResultsError, SweepRow, cell_path, row_from_dict, write_results
+from pdm_lab.lab.results import COLUMNS, ResultsError, SweepRow, cell_path, row_from_dict, write_results
 
 from pdm_lab.envs.problems.mismatch import Mismatch
-from pdm_lab.runtime.records import plain, read_json_or_quarantine, write_json_atomic
+from pdm_lab.lab.records import plain, read_json_or_quarantine, write_json_atomic
 from pdm_lab.envs.train.grpo import TrainConfig, train
 
 
@@ -55,12 +56,30 @@ class SweepConfig:
     """runs per cell, seeds first_seed … first_seed + seeds − 1 (beyond 10⁵ is a typo: weeks of CPU)."""
     first_seed: Annotated[int, at_least(0)] = 0
     """first seed."""
+    minibatches: Annotated[tuple[int, ...], at_least(1)] = ()
+    """the staleness axis: M, optimiser steps per rollout batch (each cell's
+    ``TrainConfig.minibatches``); empty: ``base.minibatches`` only."""
+    design: str = "grid"
+    """``grid``: every combination of the axes; ``axes``: the two-axis strength study — the
+    mismatch axis at the first M, the staleness axis at the first mismatch (one-at-a-time from
+    the anchor point ``mismatches[0]``, ``minibatches[0]``)."""
+    tis_rules: tuple[str, ...] = ()
+    """rules that also run with the truncated importance weight min(r, ``tis_cap``) beside their
+    mask (``MaskConfig.clip_ratio_c``; labelled ``+TIS``), e.g. ``none``: TIS alone."""
+    tis_cap: Annotated[float, at_least(1.0)] = 2.0
+    """c of the TIS cap."""
 
     def __post_init__(self) -> None:
         axes = [("mismatches", spec, Mismatch.parse) for spec in self.mismatches]  # not in a worker
         axes.append(("base_mismatch", self.base_mismatch, Mismatch.parse))
         axes += [("rules", rule, lambda r: replace(self.base.mask, rule=r)) for rule in self.rules]
         axes += [("conventions", c, lambda c: replace(self.base.mask, convention=c)) for c in self.conventions]
+        axes += [("tis_rules", rule, lambda r: replace(self.base.mask, rule=r)) for rule in self.tis_rules]
+        one_of("design", self.design, DESIGNS)
+        sequences = self.base.groups_per_step * self.base.group_size
+        if self.minibatches and max(self.minibatches) > sequences:  # an empty mini-batch is no step
+            raise ConfigError(f"minibatches: M = {max(self.minibatches)} exceeds the sequences per step "
+                              f"(base.groups_per_step × base.group_size = {sequences})")
         for name, value, check in axes:
             try:
                 check(value)
@@ -83,24 +102,38 @@ class SweepConfig:
         instead of repeats of one run.
         """
         out = []
-        for rule in self.rules:
+        variants = [(rule, self.base.mask.clip_ratio_c) for rule in self.rules]
+        variants += [(rule, self.tis_cap) for rule in self.tis_rules]
+        for rule, cap in variants:
             record = get_mask_rule(rule)
             deltas = self.deltas if record.uses_delta else self.deltas[:1]
             ks = self.ks if record.uses_k else self.ks[:1]
             conventions = self.conventions if record.uses_k else self.conventions[:1]
-            for spec in self.mismatches:
+            for spec, m in self.points():
                 for delta in deltas:
                     for k in ks:
                         for convention in conventions:
                             mask = replace(self.base.mask, rule=rule, delta=delta, k=k,
-                                           convention=convention)
-                            out.append(replace(self.base, mask=mask, seed=0,
+                                           convention=convention, clip_ratio_c=cap)
+                            out.append(replace(self.base, mask=mask, seed=0, minibatches=m,
                                                mismatch=compose(spec, self.base_mismatch)))
         return out
+
+    def points(self) -> list[tuple[str, int]]:
+        """(mismatch, M) of every grid point: the cross product (``design: grid``) or the two
+        axes through the anchor ``(mismatches[0], minibatches[0])`` (``design: axes``)."""
+        ms = self.minibatches or (self.base.minibatches,)
+        if self.design == "grid":
+            return [(spec, m) for spec in self.mismatches for m in ms]
+        return [(spec, ms[0]) for spec in self.mismatches] + [(self.mismatches[0], m) for m in ms[1:]]
 
     @property
     def seed_list(self) -> list[int]:
         return list(range(self.first_seed, self.first_seed + self.seeds))
+
+
+#: How the grid's points are laid out (``SweepConfig.design``).
+DESIGNS = ("grid", "axes")
 
 
 def compose(spec: str, base: str) -> str:
@@ -146,8 +179,14 @@ def run_job(job: RunJob) -> dict:
         "mismatch": cfg.mismatch, "mismatch_kind": kind, "mismatch_strength": strength,
         "optimizer": cfg.optimizer, "lr": cfg.lr, "steps": cfg.steps, "epochs": cfg.epochs,
         "minibatches": max(cfg.minibatches, Mismatch.parse(cfg.mismatch).stale_steps),
+        "clip_ratio_c": math.nan if cfg.mask.clip_ratio_c is None else float(cfg.mask.clip_ratio_c),
         **result,
     }
+    expected = result["steps_done"] * cfg.epochs * row["minibatches"]
+    if not result["nonfinite"] and result["optimizer_steps"] != expected:  # the staleness axis is real
+        raise RuntimeError(f"cell {job.cell_id} seed {job.seed}: the trainer took {result['optimizer_steps']} "
+                           f"optimiser steps, expected {expected} ({result['steps_done']} rollout batches × "
+                           f"{cfg.epochs} epoch(s) × M = {row['minibatches']})")
     typed = row_from_dict({c: row[c] for c in COLUMNS if c in row}, f"cell {job.cell_id} seed {job.seed}")
     return {"row": asdict(typed), "curve": curve}
 
@@ -184,7 +223,7 @@ GROWS = ("seeds", "first_seed")
 
 def claim_out(cfg: SweepConfig, out: Path, *, force: bool = False) -> None:
     """Refuse ``out`` when it holds another grid's table or report (``sweep.json`` differs beyond
-    the seed range): the sweep would overwrite them (``pdm_lab.runtime.outputs``)."""
+    the seed range): the sweep would overwrite them (``pdm_lab.lab.outputs``)."""
     claim_output_dir(out, marker="sweep.json", identity=to_dict(cfg), products=PRODUCTS, what="sweep",
                      ignore=GROWS, force=force)
 
@@ -247,7 +286,7 @@ def load_runs(cfg: SweepConfig, out: str | Path) -> list[dict]:
 
 
 def write_table(cfg: SweepConfig, out: str | Path) -> list[SweepRow]:
-    """results.csv and results.json (``pdm_lab.runtime.results``): one typed row per finished cell × seed."""
+    """results.csv and results.json (``pdm_lab.lab.results``): one typed row per finished cell × seed."""
     out = Path(out)
     try:
         rows = [row_from_dict(run["row"], str(run_path(out, run["row"]["cell_id"], run["row"]["seed"])))

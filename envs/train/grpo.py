@@ -15,20 +15,20 @@ from pathlib import Path
 
 import torch
 
-from pdm_lab.advantages import group_advantages
-from pdm_lab.audit import unsafe_keep_rates
+from pdm_lab.lab.advantages import group_advantages
+from pdm_lab.audit.measure import unsafe_keep_rates
 from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, one_of  # field checks
 from pdm_lab.errors import PDMInputError
 from pdm_lab.loss_checks import gradient_flags
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.metrics import MetricSums, as_mismatch, finalize_floats, merge_metrics, metric, step_metric_sums
-from pdm_lab.runtime.evidence import collapse_window
-from pdm_lab.runtime.memory import check_memory
+from pdm_lab.lab.evidence import collapse_window
+from pdm_lab.lab.memory import check_memory
 
 from pdm_lab.envs.problems.mismatch import Mismatch
 from pdm_lab.envs.policies.models import POLICY_KINDS, make_policy
 from pdm_lab.envs.problems.problem import ProblemConfig, make_problem
-from pdm_lab.runtime.records import JsonlWriter
+from pdm_lab.lab.records import JsonlWriter
 from pdm_lab.envs.problems.rollout import RolloutRNG
 from pdm_lab.masks import outside_region
 from pdm_lab.envs.train.update import current_stats, masked_loss, token_batch
@@ -146,6 +146,18 @@ def is_collapsed(curve: list[float], final: float | None = None, *, drop: float,
     return end < (1.0 - drop) * best and best - end > COLLAPSE_MIN_LOSS
 
 
+def tail_ratio(values: list[torch.Tensor]) -> float:
+    """p99.9/p50 of D over the pooled tokens (SPEC §6b's tail ratio; NaN: none; inf: p50 = 0)."""
+    if not values:
+        return float("nan")
+    d = torch.cat(values).double()
+    d = d[torch.isfinite(d)]
+    if d.numel() == 0:
+        return float("nan")
+    p50, p999 = (float(q) for q in torch.quantile(d, torch.tensor([0.5, 0.999], dtype=torch.float64)))
+    return p999 / p50 if p50 > 0 else float("inf")
+
+
 def _total(sums: MetricSums, key: str) -> int:
     """The Σ behind a count-valued metric (0 when nothing was measured)."""
     return int(sums[key].value) if key in sums else 0
@@ -168,6 +180,8 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
     initial_reward = problem.evaluate(policy, cfg.seed, num_sequences=cfg.eval_sequences)
     curve: list[float] = []
     run_sums: MetricSums = {}  # every step's sums: the run's pooled metrics
+    optimizer_steps = 0  # counted, so the sweep can check the staleness axis (M steps per batch)
+    update_d: list[torch.Tensor] = []  # D of every update's response tokens: the regime's tail ratio
     nonfinite, why = False, ""
 
     with JsonlWriter(log_path) as log:
@@ -202,6 +216,8 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
                         nonfinite, why = True, f"non-finite gradient: {bad_grad}"
                         break
                     optimizer.step()
+                    optimizer_steps += 1
+                    update_d.append(out.stats.topk_kl.reshape(-1)[mb.response_mask.reshape(-1)].detach().float())
                     if not all(bool(torch.isfinite(p).all()) for p in policy.parameters()):
                         nonfinite, why = True, "non-finite parameters after the step"  # diverged
                         break
@@ -245,5 +261,7 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
         "shrink_count": _total(run_sums, "audit/shrink"),
         "curve": curve,
         "steps_done": len(curve),
+        "optimizer_steps": optimizer_steps,
+        "update_tail_ratio": tail_ratio(update_d),
         "wall_s": time.perf_counter() - start,
     }

@@ -2,12 +2,15 @@
 
 A toy setting (an audit configuration: problem, policy, mismatch, batch) is rolled out for a few
 seeds; per response token, D = top-K KL(μ‖π) in float64, whether it lies outside δ, Â ≠ 0, μ's
-top-K mass and entropy, and the tokens per distinct context. The table (``pdm_lab.audit.
+top-K mass and entropy, and the tokens per distinct context. The table (``pdm_lab.audit.measure.
 regime_table``) has ``d_quantiles`` {p50, p90, p99, p999, max}, ``outside_fraction`` (of Â ≠ 0
 tokens), ``tail_ratio`` (p99.9/p50), ``topk_mass_quantiles``, ``entropy_quantiles`` and
 ``tokens_per_state``. The same table comes from a scaling run's logged per-token mismatch
-sample (``mismatch_sample.jsonl``: D, μ_T, π_T, r, Â per sampled token), so a user can set the
-toy to their engine's regime. ``--target F`` searches the strength of the mismatch's tunable
+sample (``mismatch_sample.jsonl``: D, μ_T, π_T, r, Â and the mini-batch j per sampled token), so a
+user can set the toy to their engine's regime. A run's table is the pooled one over its mini-batches
+j = 0 … M−1 — the regime in which the mask acts (SPEC §6b: mini-batch j meets π after j optimiser
+steps on the same rollouts) — with a table per j under ``mini_batches`` (a row without
+``mini_batch`` is j = 0); a toy is compared with the pooled row. ``--target F`` searches the strength of the mismatch's tunable
 source (its first with a strength: σ of ``lognormal``) by bisection on a log scale until the
 outside fraction is F.
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pdm_lab.audit import regime_table
+from pdm_lab.audit.measure import regime_table
 from pdm_lab.config import ConfigError
 
 from pdm_lab.envs.audit.batch import audit_batch, float64_tokens
@@ -27,7 +30,7 @@ from pdm_lab.envs.audit.config import AuditConfig
 from pdm_lab.envs.audit.seed import regime_inputs, regime_of
 from pdm_lab.envs.problems.mismatch import Mismatch, MismatchSource
 from pdm_lab.masks import outside_region
-from pdm_lab.runtime.records import read_jsonl
+from pdm_lab.lab.records import read_jsonl
 from pdm_lab.envs.train.update import current_stats
 
 
@@ -64,13 +67,21 @@ def run_table(path: Path, delta: float = 0.15) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no per-token mismatch sample (the scaling loop writes it)")
     rows = read_sample(path)
+    table = _sample_table(rows, delta)
+    by_j: dict[int, list[dict]] = {}
+    for r in rows:
+        by_j.setdefault(int(r.get("mini_batch", 0)), []).append(r)
+    table.update(source="scaling run", path=path.name, delta=delta, compared="pooled",
+                 mini_batches={str(j): _sample_table(by_j[j], delta) for j in sorted(by_j)})
+    return table
+
+
+def _sample_table(rows: list[dict], delta: float) -> dict:
     d = torch.tensor([r["d"] for r in rows], dtype=torch.float64)
     adv = torch.tensor([r.get("adv", 1.0) for r in rows], dtype=torch.float64)
     mu_tail = torch.tensor([r["mu_tail"] for r in rows], dtype=torch.float64)
     considered = adv != 0
-    table = regime_table(d, (d > delta) & considered, considered, topk_mass=1.0 - mu_tail)
-    table.update(source="scaling run", path=path.name, delta=delta)
-    return table
+    return regime_table(d, (d > delta) & considered, considered, topk_mass=1.0 - mu_tail)
 
 
 def read_sample(path: Path) -> list[dict]:
@@ -87,6 +98,9 @@ def read_sample(path: Path) -> list[dict]:
             value = row.get(key, 0.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"{path}:{line_no}: {key} = {value!r} is not a finite number")
+        j = row.get("mini_batch", 0)
+        if isinstance(j, bool) or not isinstance(j, int) or j < 0:
+            raise ConfigError(f"{path}:{line_no}: mini_batch = {j!r} is not a mini-batch index ≥ 0")
         rows.append(row)
     if not rows:
         raise ConfigError(f"{path}: the mismatch sample is empty")
@@ -143,6 +157,23 @@ def format_table(table: dict) -> str:
         lines.append("μ's entropy (nats): " + "  ".join(f"{k} {v:.3g}" for k, v in table["entropy_quantiles"].items()))
     if table.get("tokens_per_state") is not None:
         lines.append(f"tokens per distinct context: {table['tokens_per_state']:.2f}")
+    return "\n".join(lines)
+
+
+def format_mini_batches(table: dict) -> str:
+    """A run table's regime per mini-batch j and pooled (``run_table``), one row each, and which row
+    a toy is compared with."""
+    head = f"{'mini-batch':>10}  {'tokens':>7}  {'D p50':>9}  {'D p99':>9}  {'D p99.9':>9}  {'D max':>9}  {'outside δ':>10}"
+
+    def row(name: str, t: dict) -> str:
+        q = t["d_quantiles"]
+        return (f"{name:>10}  {t['tokens']:>7}  {q['p50']:>9.3g}  {q['p99']:>9.3g}  {q['p999']:>9.3g}  "
+                f"{q['max']:>9.3g}  {100 * t['outside_fraction']:>9.3f}%")
+
+    lines = ["the regime per mini-batch j (after j optimiser steps on the batch) and pooled:", head]
+    lines += [row(f"j = {j}", t) for j, t in table.get("mini_batches", {}).items()]
+    lines.append(row("pooled", table))
+    lines.append(f"a toy is compared with the {table.get('compared', 'pooled')} row (the regime the mask acts in)")
     return "\n".join(lines)
 
 

@@ -38,9 +38,10 @@ from pathlib import Path
 
 import torch
 
-from pdm_lab.audit import compare_paired, mean_ci, pooled_diff_ci, verdict
-from pdm_lab.runtime.records import read_jsonl
-from pdm_lab.runtime.results import ResultsError
+from pdm_lab.audit.intervals import pooled_rate_ci, compare_paired, mean_ci, pooled_diff_ci
+from pdm_lab.audit.measure import verdict
+from pdm_lab.lab.records import read_jsonl
+from pdm_lab.lab.results import ResultsError
 
 from pdm_lab.envs.transfer.faithful import faithfulness, outcome, run_statistics, toy_statistics
 from pdm_lab.envs.transfer.step_matched import step_matched, step_matched_lines
@@ -58,14 +59,18 @@ def _nan(x):
     return float("nan") if x is None else x
 
 
+#: what every ``audit.jsonl`` line must hold (``pdm_lab.lab.records.read_jsonl`` checks it)
+AUDIT_FIELDS = {"step": "int", "rules": "list", "delta": "number", "k": "int"}
+
+
 def read_audit_lines(run_dir: Path) -> list[dict]:
     """The run's audited steps (the last line of each step: a step redone after a resume is appended again)."""
     path = Path(run_dir) / "audit.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no audit lines (train with audit.every=N)")
     by_step: dict[int, dict] = {}
-    for _, rec in read_jsonl(path):
-        by_step[int(rec["step"])] = rec
+    for _, rec in read_jsonl(path, fields=AUDIT_FIELDS):
+        by_step[rec["step"]] = rec
     if not by_step:
         raise ResultsError(f"{path}: empty")
     lines = [by_step[s] for s in sorted(by_step)]
@@ -123,21 +128,6 @@ def toy_points(doc: dict, a: str, b: str) -> list[dict]:
                     "outside": outside, "disagreement": pair["disagreement"],
                     a: _entry(pair[a][DIVERGENCE]), b: _entry(pair[b][DIVERGENCE])})
     return out
-
-
-def pooled_rate_ci(entries: list[dict], key: str, *, n_boot: int = 2000, seed: int = 0) -> dict:
-    """Pooled rate (``grew`` or ``shrank`` over ``count``) with a seed-cluster bootstrap 95% CI."""
-    counts = torch.tensor([e["count"] for e in entries], dtype=torch.float64)
-    hits = torch.tensor([e[key] for e in entries], dtype=torch.float64)
-    total = float(counts.sum())
-    if total == 0:
-        return {"rate": math.nan, "ci_low": math.nan, "ci_high": math.nan, "tokens": 0}
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(entries), (n_boot, len(entries)), generator=gen)
-    c, h = counts[idx].sum(1), hits[idx].sum(1)
-    rates = (h / c)[c > 0]
-    lo, hi = torch.quantile(rates, torch.tensor([0.025, 0.975], dtype=torch.float64))
-    return {"rate": float(hits.sum()) / total, "ci_low": float(lo), "ci_high": float(hi), "tokens": int(total)}
 
 
 def sufficiency(points: list[dict], a: str, b: str) -> dict:
@@ -298,7 +288,7 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
     ``toy_audit``: an existing toy ``audit.json`` to compare instead of running one (its rules, δ
     and K must be the run's; no calibration): one toy against many runs."""
     from pdm_lab.config import from_dict, to_dict
-    from pdm_lab.runtime.yaml_config import apply_overrides
+    from pdm_lab.lab.yaml_config import apply_overrides
 
     from pdm_lab.envs.audit.config import AuditConfig
     from pdm_lab.envs.audit.study import run_audit
@@ -356,7 +346,7 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
     verdict_doc = transfer_verdict(toy, loop, faith["faithful"])
     result.update({"faithfulness": faith, "transfer": verdict_doc["outcome"], "transfer_reason": verdict_doc["reason"],
                    "step_matched": step_matched(toy_doc, lines, rules), "wall_s": time.perf_counter() - start})
-    from pdm_lab.audit_live import json_safe
+    from pdm_lab.audit.live import json_safe
 
     (out / "transfer.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n", encoding="utf-8")
     (out / "transfer.md").write_text(markdown(result), encoding="utf-8")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from pdm_lab.probe import pool_decomposition, pool_probe
+from pdm_lab.audit.probe import pool_decomposition, pool_probe
 
 DIVERGENCE = "topk_kl"
 OUTCOMES = ("unfaithful toy", "undecided", "transfers", "consistent", "does not transfer")

@@ -23,8 +23,9 @@ import math
 import statistics
 from pathlib import Path
 
-from pdm_lab.audit import paired_rate_diff_ci, rate_diff_ci
-from pdm_lab.probe import pool_decomposition, pool_probe
+from pdm_lab.lab.machine import machine_info, machine_line
+from pdm_lab.audit.intervals import paired_rate_diff_ci, rate_diff_ci
+from pdm_lab.audit.probe import pool_decomposition, pool_probe
 
 from pdm_lab.envs.transfer.step_matched import pooled_step_scales
 
@@ -83,7 +84,7 @@ def mechanism_doc(lines: list[dict], run_names: list[str]) -> dict:
         decomposition[rule] = _no_data(pool_decomposition(parts)) if parts else None
     probe = pool_probe(probes) if probes else None
     scales = pooled_step_scales([ln.get("step_scales") for ln in lines], rules)
-    return {"runs": run_names, "rules": rules, "delta": lines[0]["delta"], "k": lines[0]["k"],
+    return {"runs": run_names, "machine": machine_info(), "rules": rules, "delta": lines[0]["delta"], "k": lines[0]["k"],
             "audited_steps": len(lines), "outside_tokens": sum(int(ln.get("outside") or 0) for ln in lines),
             "probe": _no_data(probe), "decomposition": decomposition, "step_scales": scales,
             "pairs": rule_pairs(rules, probe, scales),
@@ -116,7 +117,8 @@ def mechanism_markdown(doc: dict) -> str:
     out = [f"# What moved the divergence: {', '.join(doc['runs'])}", "",
            f"δ = {doc['delta']}, K = {doc['k']}; {doc['audited_steps']} audited steps, {doc['outside_tokens']} "
            f"outside tokens. ΔD of the top-K KL; intervals 95% (Wilson for rates, paired Wald for "
-           "differences, bootstrap for shares, order statistics for medians).", ""]
+           "differences, bootstrap for shares, order statistics for medians).", "",
+           f"Pooled on {machine_line(doc.get('machine'))} (the runs' own machine is in their run folders).", ""]
     if p is None:
         out += ["No probe keys: the run was audited with `audit.probe_tokens: 0` (or before the probe existed).", ""]
     else:
@@ -185,7 +187,7 @@ def write_mechanism(run_dirs: list[Path], out: Path) -> dict:
     ``mechanism.md``, return the doc (the command draws the figure: ``envs.report`` sits above)."""
     import json
 
-    from pdm_lab.audit_live import json_safe
+    from pdm_lab.audit.live import json_safe
 
     from pdm_lab.envs.transfer.compare import read_runs_lines
 

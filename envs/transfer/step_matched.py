@@ -4,11 +4,11 @@ when its median |ΔD|/D matches the run's).
 A toy trained at the paper's δ and a run audited at a small δ take steps of very different
 relative size: the same lr moves a D of 0.2 by a far smaller fraction than a D of 5e-4. Both
 sides audit every rule at several multiples of their own step (``step_scales``, keys
-``steps/…`` of ``pdm_lab.probe_record.step_scale_record``), so the toy can be read at the multiple
+``steps/…`` of ``pdm_lab.audit.probe_record.step_scale_record``), so the toy can be read at the multiple
 whose median |ΔD|/D is nearest (in log) to the run's at its own step. There each rule's
 unsafe-keep rate is compared with the run's: the toy *predicts* a rate when its estimate lies in
 the run's Wilson 95% interval. The A − B difference of the two rules' rates on each side (their
-kept disagreement tokens differ, so Newcombe's unpaired interval, ``pdm_lab.audit.rate_diff_ci``)
+kept disagreement tokens differ, so Newcombe's unpaired interval, ``pdm_lab.audit.intervals.rate_diff_ci``)
 goes through SPEC §6c's outcome table (``faithful.outcome``), faithfulness now judged on the step
 size alone.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from pdm_lab.audit import rate_diff_ci, wilson_ci
+from pdm_lab.audit.intervals import rate_diff_ci, wilson_ci
 
 from pdm_lab.envs.transfer.faithful import outcome
 

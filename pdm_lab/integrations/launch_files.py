@@ -31,9 +31,9 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, to_dict
+from pdm_lab.config import ConfigError, to_dict
 from pdm_lab.mask_config import MaskConfig
-from ..masks import MASK_RULES
+from pdm_lab.masks import MASK_RULES
 
 TARGETS = ("pdm", "trl", "verl")
 #: The environment variable that turns on verl's top-K patch set in every process (value: K).

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import MASK_RULES
-from ..numerics import log1mexp
-from ..policy_side import PolicyOnSupport
-from ..support import Support, support_from_slots
+from pdm_lab.masks import MASK_RULES
+from pdm_lab.numerics import log1mexp
+from pdm_lab.policy_side import PolicyOnSupport
+from pdm_lab.support import Support, support_from_slots
 
 
 def sampled_token_rules() -> tuple[str, ...]:

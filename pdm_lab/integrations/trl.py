@@ -45,17 +45,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..aggregation import DPInfo
-from ..audit_live import LiveAuditConfig
-from ..config import ConfigError, to_dict
+from pdm_lab.aggregation import DPInfo
+from pdm_lab.audit.live import LiveAuditConfig
+from pdm_lab.config import ConfigError, to_dict
 from pdm_lab.mask_config import MaskConfig
-from ..engine_topk import EngineTopK, pad_responses, topk_from_ranked
-from ..loss import pdm_policy_loss
-from ..masks import MASK_RULES
-from ..policy_side import policy_on_support
-from ..sampling_mask import SamplingMask, engine_kept, on_sampling_set
-from ..support import support_from_topk, topk_lower_id_ties
-from .versions import require_version
+from pdm_lab.engine_topk import EngineTopK, pad_responses, topk_from_ranked
+from pdm_lab.loss import pdm_policy_loss
+from pdm_lab.masks import MASK_RULES
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.sampling_mask import SamplingMask, engine_kept, on_sampling_set
+from pdm_lab.support import support_from_topk, topk_lower_id_ties
+from pdm_lab.integrations.versions import require_version
 
 TRL_VERSION = require_version("trl")
 
@@ -233,7 +233,7 @@ class PDMGRPOTrainer(GRPOTrainer):
         if self.pdm_audit.every and self.model.training:  # SPEC §6c on the fresh batch, before any step
             self._pdm_audit_batches += 1
             if self._pdm_audit_batches % self.pdm_audit.every == 0:
-                from .trl_audit import audit_generation_batch
+                from pdm_lab.integrations.trl_audit import audit_generation_batch
 
                 audit_generation_batch(self, output)
         return output

@@ -3,7 +3,7 @@
 ``PDMGRPOTrainer(..., audit=LiveAuditConfig(every=N, rules=(A, B, …), delta=δ, probe_tokens=M,
 step_scales=(1, 0.1, …)))`` audits every N-th training generation batch right after it is
 generated and scored (the parameters that generated μ, the optimiser state the next real step
-will use), through the one live audit, ``pdm_lab.audit_live.run_live_audit``, with TRL's stage
+will use), through the one live audit, ``pdm_lab.audit.live.run_live_audit``, with TRL's stage
 (``trl_audit_stage.TRLAuditStage``):
 
 1. snapshot the parameters, the optimiser's state and settings, any gradients and the RNG to host
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..audit_live import distinct_contexts, flat_metrics, json_safe, run_live_audit
-from .trl_audit_stage import BATCH_KEYS, TRLAuditStage, batch_rows, measured_divergence  # noqa: F401
+from pdm_lab.audit.live import distinct_contexts, flat_metrics, json_safe, run_live_audit
+from pdm_lab.integrations.trl_audit_stage import BATCH_KEYS, TRLAuditStage, batch_rows, measured_divergence  # noqa: F401
 
 __all__ = ["audit_generation_batch", "measured_divergence", "BATCH_KEYS"]
 

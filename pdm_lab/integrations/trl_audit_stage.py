@@ -1,4 +1,4 @@
-"""TRL's side of the one live audit (``pdm_lab.audit_live.run_live_audit``; SPEC §6c, §6d).
+"""TRL's side of the one live audit (``pdm_lab.audit.live.run_live_audit``; SPEC §6c, §6d).
 
 ``TRLAuditStage`` is what ``run_live_audit`` asks of a trainer (``audit_live.LiveAuditStage``),
 for ``PDMGRPOTrainer``'s generation batch; the snapshot, the per-rule and per-scale steps, the
@@ -14,7 +14,7 @@ restores, the probe, the decomposition and the merge over processes are ``run_li
   loop: the sampling mask is not applied here;
 * ``probe_view`` — the probed rows' processed logits z = h·Wᵀ/T with the output layer in float64
   (h the decoder's last hidden state, kept by a forward hook) and a
-  ``pdm_lab.probe_kernel.InPlaceKernel`` over the model's trainable parameters (central
+  ``pdm_lab.audit.probe_kernel.InPlaceKernel`` over the model's trainable parameters (central
   differences at θ ± εu, restored bit-exactly), as the loop's ``scaling/audit_probe.py``.
 
 Under several processes the audited passes run on the unwrapped model, outside Accelerate's
@@ -28,13 +28,13 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ..audit_live import ProbeView, StepOutcome, support_in_float64
-from ..central_difference import _world
-from ..policy_side import policy_on_support
-from ..probe_kernel import InPlaceKernel
-from ..probe_record import token_weights
-from ..stats import token_stats
-from ..support import support_from_topk
+from pdm_lab.audit.live import ProbeView, StepOutcome, support_in_float64
+from pdm_lab.audit.central_difference import _world
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.audit.probe_kernel import InPlaceKernel
+from pdm_lab.audit.probe_record import token_weights
+from pdm_lab.token_stats import token_stats
+from pdm_lab.support import support_from_topk
 
 BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
               "pdm_topk_ids", "pdm_topk_logp", "pdm_mu_logp")

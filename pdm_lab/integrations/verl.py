@@ -15,25 +15,46 @@ verl 0.9.1's ``apply_bypass_mode`` overwrites ``loss_mode`` with its own ``bypas
 while still substituting the rollout log-probs. Top-K rules need μ's top-K carried from the
 rollout: with ``PDM_LAB_VERL_TOPK=K`` in every verl process, this module also applies the
 versioned runtime patch set (``pdm_lab.integrations.verl_patches``), which registers them.
+
+A registration that fails (an untested verl version, a verl internal that moved, a broken
+install) is logged at WARNING with its cause on logger ``pdm_lab.integrations.verl``, then
+re-raised: verl's own plugin loader catches it and logs it only at DEBUG, so without this the
+``pdm_lab.*`` loss modes would just be unknown later; re-raising keeps a direct import (and
+verl's loader) seeing the real error, and leaves no half-registered plugin behind.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from typing import Any
 
 import torch
 
-from ..loss import pdm_policy_loss
-from .sampled_token import sampled_token_rules, sampled_token_view
-from .verl_config import LOSS_PREFIX, TOPK_ENV, loss_setup, mask_config, record_once, sampling_setup  # noqa: F401
-from .versions import require_version
+LOG = logging.getLogger(__name__)
 
-VERL_VERSION = require_version("verl")
 
-from verl.trainer.ppo.core_algos import register_policy_loss  # noqa: E402
-from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
+def _registration_failed(err: BaseException) -> None:
+    """The WARNING a failed registration leaves (verl's plugin loader logs it only at DEBUG)."""
+    LOG.warning("pdm_lab's verl plugin (%s) failed to load: %s: %s; what it had not registered yet (pdm_lab.* "
+                "loss modes, the bypass-mode patch, the top-K patch set) is unknown to verl", __name__,
+                type(err).__name__, err)
+
+
+try:
+    from pdm_lab.loss import pdm_policy_loss
+    from pdm_lab.integrations.sampled_token import sampled_token_rules, sampled_token_view
+    from pdm_lab.integrations.verl_config import LOSS_PREFIX, TOPK_ENV, loss_setup, mask_config, record_once, sampling_setup  # noqa: F401
+    from pdm_lab.integrations.versions import require_version
+
+    VERL_VERSION = require_version("verl")
+
+    from verl.trainer.ppo.core_algos import register_policy_loss  # noqa: E402
+    from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
+except Exception as _err:
+    _registration_failed(_err)
+    raise
 
 
 @dataclasses.dataclass
@@ -63,7 +84,10 @@ def pdm_verl_loss(rule: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     """
     if rollout_is_weights is not None:
         raise ValueError(f"{LOSS_PREFIX}{rule}: rollout_is_weights given; pdm_lab's rules replace IS "
-                         "weighting (set algorithm.rollout_correction.rollout_is=null)")
+                         "weighting and compute neither sequence-level TIS (rollout_is=sequence) nor "
+                         "two-sided thresholds (rollout_is_threshold='lower_upper'): set "
+                         "algorithm.rollout_correction.rollout_is=null; pdm_lab's only cap is the "
+                         "token-level upper one, mask.clip_ratio_c")
     cfg, dp = loss_setup(config, rule, loss_agg_mode)
     if sampling_setup(config) is not None:
         raise ValueError(f"{LOSS_PREFIX}{rule}: policy_loss.sampling_mask cuts, but a sampled-token loss sees log π_k "
@@ -78,7 +102,34 @@ def pdm_verl_loss(rule: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     shown = {k: v for k, v in out.metrics.items()
              if k.startswith(("mask/frac_dropped", "ratio/", "tokens/", "corr/"))}
     shown["div/binary_kl_mean"] = out.metrics["div/topk_kl_mean"]
-    return out.loss, {f"actor/pdm/{k}": float(v) for k, v in shown.items()}
+    metrics = {f"actor/pdm/{k}": float(v) for k, v in shown.items()}
+    metrics.update(verl_pg_metrics(old_log_prob, log_prob, response_mask, out.keep.reshape(log_prob.shape),
+                                   cfg.clip_ratio_c))
+    return out.loss, metrics
+
+
+@torch.no_grad()
+def verl_pg_metrics(old_log_prob: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor,
+                    keep: torch.Tensor, clip_ratio_c: float | None) -> dict[str, float]:
+    """verl's own ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` for a mask
+    loss, as verl 0.9.1's mask losses (``compute_policy_loss_dppo_tv`` / ``_dppo_kl``) define
+    them, with pdm_lab's mask M as their ``valid_mask`` and ``mask.clip_ratio_c`` as their
+    ``clip_ratio_c`` (the TIS cap on r; none: nothing is truncated, so 0):
+
+    - ``ppo_kl`` = masked_mean(−clamp(log π − log μ, ±20)) over response tokens;
+    - ``pg_clipfrac`` = masked_mean(1 − M): the fraction of response tokens the mask drops;
+    - ``pg_clipfrac_lower`` = masked_mean((r > c)·M): kept tokens whose ratio the cap truncates.
+    """
+    from verl.utils.torch_functional import masked_mean
+
+    mask = response_mask.to(log_prob.dtype)
+    neg_kl = torch.clamp(log_prob.detach() - old_log_prob.detach(), min=-20.0, max=20.0)
+    valid = keep.detach().to(log_prob.dtype)
+    ratio = torch.exp(neg_kl)
+    lower = (torch.zeros_like(valid) if clip_ratio_c is None else (ratio > clip_ratio_c).to(valid.dtype) * valid)
+    return {"actor/pg_clipfrac": masked_mean(1.0 - valid, mask).item(),
+            "actor/ppo_kl": masked_mean(-neg_kl, mask).item(),
+            "actor/pg_clipfrac_lower": masked_mean(lower, mask).item()}
 
 
 def register_all() -> tuple[str, ...]:
@@ -116,9 +167,13 @@ def patch_bypass_mode() -> bool:
     return True
 
 
-LOSS_MODES = register_all()
-patch_bypass_mode()
-if os.environ.get(TOPK_ENV, "").strip():  # the top-K patch set, K from the environment
-    from .verl_patches import apply_from_env  # noqa: E402
+try:
+    LOSS_MODES = register_all()
+    patch_bypass_mode()
+    if os.environ.get(TOPK_ENV, "").strip():  # the top-K patch set, K from the environment
+        from pdm_lab.integrations.verl_patches import apply_from_env  # noqa: E402
 
-    apply_from_env()
+        apply_from_env()
+except Exception as _err:
+    _registration_failed(_err)
+    raise

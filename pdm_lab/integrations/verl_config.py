@@ -14,11 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..aggregation import DPInfo
-from ..config import from_dict, to_dict
+from pdm_lab.aggregation import DPInfo
+from pdm_lab.config import from_dict, to_dict
 from pdm_lab.mask_config import MaskConfig
-from ..sampling_mask import SamplingMask
-from .launch_files import VERL_TOPK_ENV
+from pdm_lab.sampling_mask import SamplingMask
+from pdm_lab.integrations.launch_files import VERL_TOPK_ENV
 
 #: verl ``loss_mode`` names of pdm_lab's rules: ``pdm_lab.<rule>``.
 LOSS_PREFIX = "pdm_lab."

@@ -85,14 +85,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .versions import require_version
+from pdm_lab.integrations.versions import require_version
 
 VERL_VERSION = require_version("verl")
 
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss  # noqa: E402
 
-from .verl_config import LOSS_PREFIX, TOPK_ENV  # noqa: E402
-from .verl_topk import TOPK_KEYS, pad_topk, topk_from_vllm, topk_policy_loss, topk_rules  # noqa: E402
+from pdm_lab.integrations.verl_config import LOSS_PREFIX, TOPK_ENV  # noqa: E402
+from pdm_lab.integrations.verl_topk import TOPK_KEYS, pad_topk, topk_from_vllm, topk_policy_loss, topk_rules  # noqa: E402
 
 #: Environment variable: K, μ's top-K carried from the rollout; set → ``apply(K)`` on ``import verl``.
 PATCH_ENV = TOPK_ENV

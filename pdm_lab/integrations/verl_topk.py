@@ -27,19 +27,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..engine_topk import EngineTopK, pad_responses, topk_from_dicts
-from ..loss import pdm_policy_loss
-from ..padding import PAD_ID, PAD_LOGP, pad_to_length, policy_with_padding_rows
-from ..policy_side import policy_on_support
-from ..sampling_mask import engine_kept, on_sampling_set
-from ..support import support_from_topk
-from .versions import require_version
+from pdm_lab.engine_topk import EngineTopK, pad_responses, topk_from_dicts
+from pdm_lab.loss import pdm_policy_loss
+from pdm_lab.padding import PAD_ID, PAD_LOGP, pad_to_length, policy_with_padding_rows
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.sampling_mask import engine_kept, on_sampling_set
+from pdm_lab.support import support_from_topk
+from pdm_lab.integrations.versions import require_version
 
 VERL_VERSION = require_version("verl")
 
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
-from .verl_config import loss_setup, record_once, sampling_setup  # noqa: E402
+from pdm_lab.integrations.verl_config import loss_setup, record_once, sampling_setup  # noqa: E402
 
 TOPK_KEYS = ("rollout_topk_ids", "rollout_topk_logp")
 
@@ -66,7 +66,7 @@ def topk_from_vllm(position_logprobs: list[list[dict[int, Any]]], responses: Ten
 def topk_rules() -> tuple[str, ...]:
     """Registered rules whose declared support is μ's top-K and that need nothing the stage must
     add (``needs``)."""
-    from ..masks import MASK_RULES
+    from pdm_lab.masks import MASK_RULES
 
     return tuple(name for name, rec in MASK_RULES.items() if rec.support == "topk" and not rec.needs)
 

@@ -26,19 +26,23 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
+import subprocess
 import sys
+import time
 
 import torch
 
-from .benchtools import (allocator_setting, alternated_medians, best_of, in_fresh_process, load_average,
+from pdm_lab.lab.machine import machine_line
+from pdm_lab.tools.benchtools import (allocator_setting, alternated_medians, best_of, in_fresh_process, load_average,
                          peak_extra_mb, policy_like, rollout_like_inputs)
-from ..config import ConfigError, at_least
+from pdm_lab.config import ConfigError, at_least
 from pdm_lab.mask_config import MaskConfig
-from ..loss import pdm_policy_loss
-from ..runtime.plugins import BENCHMARKS, BENCHMARKS_ON_DEMAND, PluginError, discover, load
-from ..policy_side import policy_on_support, policy_on_support_reference
-from ..runtime.cli import integer
-from ..support import support_from_topk
+from pdm_lab.loss import pdm_policy_loss
+from pdm_lab.cli.plugins import BENCHMARKS, BENCHMARKS_ON_DEMAND, PluginError, discover, load
+from pdm_lab.policy_side import policy_on_support, policy_on_support_reference
+from pdm_lab.cli.main import integer
+from pdm_lab.support import support_from_topk
 
 #: The mask pipeline's vocabulary (Qwen3's), whatever ``--vocab`` the gather bench uses.
 PIPELINE_VOCAB = 151_936
@@ -155,15 +159,44 @@ def bench_gather(n_tokens: int, vocab: int, k: int, repeat: int,
     return rows
 
 
+def _import_seconds(code: str, repeat: int) -> float:
+    """Median wall time of a fresh interpreter running `code` (start-up included: it cancels in
+    the difference of two such medians)."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_import(repeat: int) -> list[dict]:
+    """What ``import pdm_lab`` and the loss path cost over ``import torch`` (median of fresh
+    interpreters, at least 5)."""
+    repeat = max(5, repeat)
+    torch_s = _import_seconds("import torch", repeat)
+    rows = []
+    for label, code in (("import pdm_lab", "import torch, pdm_lab"),
+                        ("the loss path (pdm_policy_loss, MaskConfig, support_from_topk)",
+                         "import torch; from pdm_lab import pdm_policy_loss, MaskConfig, support_from_topk")):
+        extra = _import_seconds(code, repeat) - torch_s
+        rows.append({"name": f"import cost over torch's: {label}", "value": extra, "unit": "s",
+                     "reference": torch_s, "ratio": extra / torch_s, "target": "≤ 0.1 s over torch",
+                     "load": load_average()})
+    return rows
+
+
 def run_core_bench(args: argparse.Namespace) -> list[dict]:
     modes = (False,) if args.eager_only else (False, True)
-    rows = bench_mask_pipeline(args.tokens, args.k, args.repeat, modes)
+    rows = bench_import(args.repeat)
+    rows += bench_mask_pipeline(args.tokens, args.k, args.repeat, modes)
     kinds = ("chunked",) if args.eager_only else ("chunked", "compiled")
     rows += bench_gather(args.gather_tokens, args.vocab, args.k, args.repeat, kinds)
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
+    print(machine_line())
     print(f"{'benchmark':<78} {'value':>10} {'unit':>7} {'reference':>10} {'ratio':>7}  target")
     for r in rows:
         load = f"  (load {r['load']:.1f}; allocator: {r.get('allocator', 'default')})" if "load" in r else ""

@@ -66,7 +66,7 @@ def _report_to_parent(queue, target: Callable, args: tuple) -> None:
     try:
         target(queue, *args)
     except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
-        from ..errors import one_line
+        from pdm_lab.errors import one_line
 
         queue.put({"child_error": f"{type(err).__name__}: {one_line(err)}", "traceback": traceback.format_exc()})
         raise SystemExit(1) from None
@@ -173,7 +173,7 @@ def rollout_like_inputs(n_tokens: int, k: int, vocab: int, seed: int = 0, device
 
 def policy_like(support, noise: torch.Tensor):
     """π on the support (a leaf with grad): μ's head and tail atoms perturbed by `noise` [N, ≥ m+1]."""
-    from ..policy_side import PolicyOnSupport
+    from pdm_lab.policy_side import PolicyOnSupport
     m = support.ids.shape[1]
     raw = torch.cat([support.mu_logp, support.mu_tail_logp[:, None]], dim=1) + noise[:, : m + 1]
     logp = torch.log_softmax(raw, dim=1)

@@ -13,12 +13,12 @@ import time
 
 import torch
 
-from ..config import ConfigError, at_least, non_negative
-from ..diagnose import DIAGNOSE_MASKS, diagnose
-from ..runtime.cli import integer, number
-from ..runtime.memory import check_memory
-from ..runtime.outputs import write_output
-from .synthetic import synthetic_batch
+from pdm_lab.config import ConfigError, at_least, non_negative
+from pdm_lab.diagnose import DIAGNOSE_MASKS, diagnose
+from pdm_lab.cli.main import integer, number
+from pdm_lab.lab.memory import check_memory
+from pdm_lab.lab.outputs import write_output
+from pdm_lab.tools.synthetic import synthetic_batch
 
 
 #: Bytes per (token, vocabulary entry) the demo holds at once (μ, π, their probabilities and the

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from .benchtools import alternated_medians, load_average, peak_extra_mb, policy_like, rollout_like_inputs
+from pdm_lab.tools.benchtools import alternated_medians, load_average, peak_extra_mb, policy_like, rollout_like_inputs
 from pdm_lab.mask_config import MaskConfig
-from ..loss import pdm_policy_loss
-from ..policy_side import policy_on_support, policy_on_support_reference
-from ..support import support_from_topk
+from pdm_lab.loss import pdm_policy_loss
+from pdm_lab.policy_side import policy_on_support, policy_on_support_reference
+from pdm_lab.support import support_from_topk
 
 
 @dataclass(frozen=True)

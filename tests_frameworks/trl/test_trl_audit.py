@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdm_lab import MaskConfig
-from pdm_lab.audit_live import LiveAuditConfig
+from pdm_lab.audit.live import LiveAuditConfig
 
 from test_trl_trainer import K, _dataset, _reward, build_tiny
 
@@ -70,7 +70,7 @@ def test_audit_writes_audit_jsonl_and_logs_rates_without_changing_training(tiny_
     # the planted bug: AdamW's state not restored after the audited steps
     import importlib
 
-    for name in ("pdm_lab.audit_live", "pdm_lab.host_snapshot"):  # wherever the snapshot's restore lives
+    for name in ("pdm_lab.audit.live", "pdm_lab.audit.snapshot"):  # wherever the snapshot's restore lives
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -1,4 +1,4 @@
-"""TRL's audit goes through the one live audit (``pdm_lab.audit_live.run_live_audit``) and writes the
+"""TRL's audit goes through the one live audit (``pdm_lab.audit.live.run_live_audit``) and writes the
 probe and the decomposition (SPEC §6d) under the scaling loop's keys, HF-generate mode on the tiny Qwen3.
 
 The expected key sets are not a copy: they are what the core's own record functions return
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdm_lab import MaskConfig
-from pdm_lab.audit_live import LiveAuditConfig
+from pdm_lab.audit.live import LiveAuditConfig
 
 from test_trl_trainer import K, _dataset, _reward, build_tiny
 
@@ -30,9 +30,9 @@ def tiny_dir(tmp_path_factory):
 def _core_keys(rules, precondition: bool) -> tuple[set, set, set]:
     """(probe keys, decomposition keys, step-scale keys) as the core's functions write them
     (``precondition``: the optimiser has a P, i.e. AdamW after its first step)."""
-    from pdm_lab.probe import (own_direction, own_update_probe, pool_decomposition, pool_probe, step_decomposition,
+    from pdm_lab.audit.probe import (own_direction, own_update_probe, pool_decomposition, pool_probe, step_decomposition,
                                support_in_float64)
-    from pdm_lab.probe_record import step_scale_record
+    from pdm_lab.audit.probe_record import step_scale_record
     from pdm_lab.support import support_from_topk
 
     gen = torch.Generator().manual_seed(0)
@@ -63,7 +63,7 @@ def test_trl_audit_writes_the_loops_probe_and_decomposition_keys(tiny_dir, tmp_p
     from pdm_lab.integrations import trl_audit_stage
     from pdm_lab.integrations.trl import PDMGRPOTrainer
     from pdm_lab.policy_side import policy_on_support
-    from pdm_lab.stats import token_stats
+    from pdm_lab.token_stats import token_stats
 
     # the probe's own view of the probed rows (hidden state · W in float64) gives the same D as the
     # audit's measurement through the model's logits: rows, positions and support line up

@@ -1,5 +1,5 @@
 """The TRL trainer's halves of the call-site checks (tests/test_loss_call_sites.py has the scaling
-loop's, tests_frameworks/verl the verl ones'): fed ``pdm_lab.tools.call_site_batch``, TRL's view of
+loop's, tests_frameworks/verl the verl ones'): fed ``pdm_lab.testing.call_site_batch``, TRL's view of
 vLLM's answer parses to the core's tensors, and ``PDMGRPOTrainer.pdm_loss_output`` — the trainer's
 loss path from the model's logits — gives the core's loss, gradient and keep mask."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from pdm_lab import MaskConfig
 from pdm_lab.engine_topk import pad_responses
 from pdm_lab.integrations.trl import PDMGRPOTrainer, rollout_from_vllm
-from pdm_lab.tools.call_site_batch import call_site_batch
+from pdm_lab.testing.call_site_batch import call_site_batch
 
 P = 3  # prompt length
 

@@ -1,5 +1,5 @@
 """verl's halves of the call-site checks (tests/test_loss_call_sites.py has the scaling loop's,
-tests_frameworks/trl the TRL trainer's): fed ``pdm_lab.tools.call_site_batch``, vLLM's dicts parse
+tests_frameworks/trl the TRL trainer's): fed ``pdm_lab.testing.call_site_batch``, vLLM's dicts parse
 to the core's tensors, and verl's policy losses — the top-K path on the actor's no-padding logits
 and a sampled-token rule through ``get_policy_loss_fn`` — give the core's loss and gradient, on one
 rank and split over two ranks with verl's global batch counts."""
@@ -14,7 +14,7 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from pdm_lab import MaskConfig
 from pdm_lab.integrations.verl import LOSS_PREFIX
 from pdm_lab.integrations.verl_topk import topk_from_vllm, topk_policy_loss
-from pdm_lab.tools.call_site_batch import call_site_batch
+from pdm_lab.testing.call_site_batch import call_site_batch
 
 P = 3  # prompt length; prompts left-padded by 0, 1, 2, 0 tokens
 

@@ -20,7 +20,7 @@ from pdm_lab.integrations.verl import LOSS_PREFIX
 from pdm_lab.integrations.verl_config import RECORD_ENV
 from pdm_lab.integrations.verl_topk import topk_policy_loss, topk_rules
 from pdm_lab.sampling_mask import SamplingMask, engine_kept, on_sampling_set
-from pdm_lab.tools.call_site_batch import call_site_batch
+from pdm_lab.testing.call_site_batch import call_site_batch
 
 from test_verl_call_site import _verl_batch
 

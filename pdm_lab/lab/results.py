@@ -24,7 +24,7 @@ import re
 import typing
 from pathlib import Path
 from typing import Any, Iterable
-from ..errors import UserInputError
+from pdm_lab.errors import UserInputError
 
 SCHEMA_VERSION = 1
 RESULTS_JSON = "results.json"
@@ -83,6 +83,13 @@ class SweepRow:
     """of those, how many grew D (``unsafe_keep`` = unsafe_count / unsafe_keep_count)."""
     shrink_count: int
     wall_s: float
+    clip_ratio_c: float = math.nan
+    """the TIS cap c of the importance weight min(r, c) (``MaskConfig.clip_ratio_c``); NaN: none."""
+    optimizer_steps: int = -1
+    """optimiser steps the run took (steps × epochs × minibatches unless it went non-finite); −1: not recorded."""
+    update_tail_ratio: float = math.nan
+    """p99.9/p50 of the update-time top-K KL over every update's response tokens (pooled over
+    mini-batches, staleness included: SPEC §6b's tail ratio); NaN: not recorded."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -99,6 +106,8 @@ class SweepRow:
 
 COLUMNS = tuple(f.name for f in dataclasses.fields(SweepRow))
 _TYPES = typing.get_type_hints(SweepRow)
+#: columns an older row may lack (their defaults: not recorded)
+_OPTIONAL = tuple(f.name for f in dataclasses.fields(SweepRow) if f.default is not dataclasses.MISSING)
 _FINITE = ("delta", "mismatch_strength", "lr", "initial_reward")
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -147,7 +156,7 @@ def row_from_dict(mapping: dict, where: str = "row") -> SweepRow:
     unknown = sorted(set(mapping) - set(COLUMNS))
     if unknown:
         raise ResultsError(f"{where}: unknown column(s) {', '.join(unknown)}")
-    missing = [c for c in COLUMNS if c not in mapping and c != "schema_version"]
+    missing = [c for c in COLUMNS if c not in mapping and c not in _OPTIONAL]
     if missing:
         raise ResultsError(f"{where}: missing column(s) {', '.join(missing)}")
     values = {c: _convert(f"{where}.{c}", _TYPES[c], mapping[c]) for c in COLUMNS if c in mapping}

@@ -15,12 +15,13 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .aggregation import DPInfo, aggregate
-from .audit import delta_rates, median_ci, wilson_ci
-from .central_difference import _local, adam_gradient_scale, adam_preconditioner
-from .errors import check_same
-from .probe import divergence_grads, own_direction, step_decomposition
-from .support import Support
+from pdm_lab.aggregation import DPInfo, aggregate
+from pdm_lab.audit.measure import delta_rates
+from pdm_lab.audit.intervals import median_ci, wilson_ci
+from pdm_lab.audit.central_difference import _local, adam_gradient_scale, adam_preconditioner
+from pdm_lab.errors import check_same
+from pdm_lab.audit.probe import divergence_grads, own_direction, step_decomposition
+from pdm_lab.support import Support
 
 
 def _with_ci(rates: dict) -> dict:

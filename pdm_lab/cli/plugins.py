@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
-from ..errors import UserInputError
+from pdm_lab.errors import UserInputError
 
 COMMANDS = "pdm_lab.commands"
 BENCHMARKS = "pdm_lab.benchmarks"

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .fast.compiled import maybe_compiled
-from .direction import DDOT_ESTIMATORS, TailView, ddot, ddot_head, ddot_interval, tail_live
-from .divergence import binary_kl, binary_tv, full_kl, topk_kl, topk_tv
-from .errors import PDMInputError, check_same
-from .numerics import exp_per_use, rest_logmass, rest_logmass_from_probs
-from .policy_side import PolicyOnSupport, exact_tail_term
-from .fast.rowops import any_true
-from .support import Support
+from pdm_lab.fast.compiled import maybe_compiled
+from pdm_lab.direction import DDOT_ESTIMATORS, TailView, ddot, ddot_head, ddot_interval, tail_live
+from pdm_lab.divergence import binary_kl, binary_tv, full_kl, topk_kl, topk_tv
+from pdm_lab.errors import PDMInputError, check_same
+from pdm_lab.numerics import exp_per_use, rest_logmass, rest_logmass_from_probs
+from pdm_lab.policy_side import PolicyOnSupport, exact_tail_term
+from pdm_lab.fast.rowops import any_true
+from pdm_lab.support import Support
 
 
 @dataclass(frozen=True)

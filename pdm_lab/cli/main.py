@@ -1,6 +1,11 @@
 """``pdm-lab``: one command line whose commands are entry-point plugins (group
-``pdm_lab.commands``, see ``pdm_lab.runtime.plugins``): the core, each stage and any other installed
-package register theirs the same way; this module names none of them."""
+``pdm_lab.commands``, see ``pdm_lab.cli.plugins``): the core, each stage and any other installed
+package register theirs the same way; this module names none of them.
+
+``pdm-lab --help`` lists every command with the extra it needs (``needs_extras``: the entry
+point's own ``[extra]`` when it declares one, else its register function's ``extras``
+attribute); a command whose plugin fails to import because an extra is not installed is
+still listed, "needs pip install 'pdm_lab[extra]'", and running it says the same."""
 from __future__ import annotations
 
 import argparse
@@ -9,9 +14,9 @@ import sys
 import typing
 from pathlib import Path
 
-from ..config import FINITE, ConfigError, Range, at_least, check_option
-from pdm_lab.runtime.yaml_config import parse_value
-from .plugins import COMMANDS, PluginError, discover, load
+from pdm_lab.config import FINITE, ConfigError, Range, at_least, check_option
+from pdm_lab.lab.yaml_config import parse_value
+from pdm_lab.cli.plugins import COMMANDS, PluginError, discover, load
 
 
 def number(rng: Range = FINITE, *, integer: bool = False, field: tuple[type, str] | None = None):
@@ -50,6 +55,70 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
 
 
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def _extra_requirements(dist) -> dict[str, set[str]]:
+    """Each extra of `dist` and the (normalised) distribution names it adds, nested extras
+    (``pkg[a]`` inside ``b``) followed."""
+    import re
+
+    direct: dict[str, set[str]] = {}
+    nested: dict[str, set[str]] = {}
+    own = _norm(dist.metadata["Name"] or "")
+    for req in dist.requires or []:
+        m = re.match(r"\s*([A-Za-z0-9._-]+)\s*(?:\[([^\]]*)\])?[^;]*;.*extra\s*==\s*['\"]([^'\"]+)['\"]", req)
+        if not m:
+            continue
+        name, inner, extra = _norm(m.group(1)), m.group(2), m.group(3)
+        if name == own and inner:
+            nested.setdefault(extra, set()).update(e.strip() for e in inner.split(","))
+        else:
+            direct.setdefault(extra, set()).add(name)
+    out = {extra: set(names) for extra, names in direct.items()}
+    for extra, inners in nested.items():
+        out.setdefault(extra, set()).update(*(direct.get(i, set()) for i in inners))
+    return out
+
+
+def _cover(module: str, extras: dict[str, set[str]]) -> list[str]:
+    """The extras (in order of declaration) whose requirements hold the distribution ``module``
+    is named after (its import name, normalised)."""
+    return [extra for extra, names in extras.items() if _norm(module) in names]
+
+
+def needs_extras(ep, register=None, missing: str | None = None) -> list[str]:
+    """The extras of the plugin's distribution that its command needs: the entry point's declared
+    ``[extra]``, else its register function's ``extras`` attribute, else (its import failed on
+    the module ``missing``) the extras that install that module. Empty: none declared."""
+    if getattr(ep, "extras", None):
+        return list(ep.extras)
+    if register is not None and getattr(register, "extras", None):
+        return list(register.extras)
+    dist = getattr(ep, "dist", None)
+    if not missing or dist is None:
+        return []
+    try:
+        return _cover(missing, _extra_requirements(dist))
+    except Exception:  # noqa: BLE001 - unreadable metadata: nothing to say
+        return []
+
+
+def _install_hint(ep, extras: list[str]) -> str:
+    dist = getattr(ep, "dist", None)
+    name = dist.metadata["Name"] if dist is not None else "pdm_lab"
+    return f"needs pip install '{name}[{','.join(extras)}]'"
+
+
+def _missing_module(err: BaseException) -> str | None:
+    """The top-level module a plugin's import failed on (``ModuleNotFoundError``), if that was it."""
+    cause = err.__cause__ or err.__context__
+    while cause is not None and not isinstance(cause, ModuleNotFoundError):
+        cause = cause.__cause__ or cause.__context__
+    return cause.name.split(".")[0] if cause is not None and cause.name else None
+
+
 def _command_of(argv: list[str], names) -> str | None:
     """The command named on the line (the first word that is not an option), if it is known."""
     for word in argv:
@@ -62,7 +131,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser with every command, or only the one ``argv`` names (the others stay unloaded).
 
     A plugin that fails to load is a ``PluginError`` when it is the command asked for; otherwise
-    (``--help``, an unknown word) it is reported on stderr in one line and left out.
+    (``--help``, an unknown word) it is reported on stderr in one line and left out — except one
+    that fails for a missing extra: that command is listed, with the install line, and running
+    it is that one-line error. Every listed command's help names the extras it needs.
     """
     parser = OneLineParser(
         prog="pdm-lab",
@@ -78,10 +149,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             register = load(ep)
             register(sub)
         except PluginError as err:
+            missing = _missing_module(err)
+            extras = needs_extras(ep, missing=missing) if missing else []
+            if extras:
+                hint = _install_hint(ep, extras)
+                if wanted is not None:
+                    raise PluginError(f"pdm-lab {name}: {hint} (No module named {missing!r})") from None
+                sub.add_parser(name, help=f"{hint} (not installed: {missing})")
+                continue
             if wanted is not None:
                 raise
             print(f"pdm-lab: warning: {err}", file=sys.stderr)
             continue
+        if wanted is None and name in sub.choices:
+            extras = needs_extras(ep, register)
+            for action in sub._choices_actions:  # the --help line of this command
+                if action.dest == name and extras:
+                    action.help = f"{action.help or ''} [extra: {', '.join(extras)}]"
         if name not in sub.choices:
             err = PluginError(f"{COMMANDS} plugin {name!r} ({ep.value}) did not add a command named {name!r}")
             if wanted is not None:
@@ -125,7 +209,7 @@ def save_traceback(err: BaseException, argv: list[str], folder: Path | None) -> 
 def internal_error_line(command: str, err: BaseException, argv: list[str], folder: Path | None = None) -> str:
     """The one line an internal error prints: that it is a pdm_lab bug, what it was, and where its
     traceback is (the run's own folder, never the system's temp folder)."""
-    from ..errors import one_line
+    from pdm_lab.errors import one_line
 
     what = one_line(err)
     name = type(err).__name__
@@ -159,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - every failure is one line: bad input (2) or a bug (70)
         if args.debug or os.environ.get("PDM_LAB_DEBUG"):
             raise
-        from ..errors import exit_code, one_line
+        from pdm_lab.errors import exit_code, one_line
 
         status = exit_code(err)
         if status == 2:

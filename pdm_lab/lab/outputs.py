@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ..config import ConfigError
+from pdm_lab.config import ConfigError
 
 #: How much of a file's start is read for its signature.
 SIGNATURE_BYTES = 4096

@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from pdm_lab.errors import UserInputError
+
 
 def plain(value: Any) -> Any:
     """Tensors, numpy scalars and tuples → JSON-ready Python; NaN/inf → None."""
@@ -54,18 +56,56 @@ class JsonlWriter:
         self.close()
 
 
-def read_jsonl(path: str | Path, *, error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
-    """``(line number, record)`` for each non-blank line of the JSON Lines file at ``path``; a
-    line that does not parse raises ``error`` naming the file and line."""
+class RecordError(UserInputError, ValueError):
+    """A run record (``audit.jsonl``, ``metrics.jsonl``, ``mismatch_sample.jsonl``) that cannot be
+    read: names the file, the line and the field; the command line exits with status 2."""
+
+
+#: a field's expected kind: "int" (not bool), "number" (finite int/float, not bool), "str",
+#: "list", "dict", or a tuple of them
+_KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+          "str": lambda v: isinstance(v, str), "list": lambda v: isinstance(v, list),
+          "dict": lambda v: isinstance(v, dict)}
+
+
+def read_jsonl(path: str | Path, *, error: type[Exception] = RecordError,
+               fields: dict[str, str | tuple[str, ...]] | None = None,
+               optional: dict[str, str | tuple[str, ...]] | None = None) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` for each non-blank line of the JSON Lines file at ``path`` — the
+    one reader of run records. A line that is not UTF-8, not JSON, or (with ``fields``) not an
+    object holding each required field with its kind (``optional``: checked when present) raises
+    ``error`` naming the file, the line and the field; nothing is skipped silently."""
     path = Path(path)
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise error(f"{path}:{line_no}: not UTF-8 text (byte {err.start + 1})") from None
             if not line.strip():
                 continue
             try:
-                yield line_no, json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise error(f"{path}:{line_no}: not a JSON row ({err.msg} at column {err.colno})") from None
+            if fields is not None or optional is not None:
+                _check_fields(path, line_no, record, fields or {}, optional or {}, error)
+            yield line_no, record
+
+
+def _check_fields(path: Path, line_no: int, record: Any, fields: dict, optional: dict,
+                  error: type[Exception]) -> None:
+    if not isinstance(record, dict):
+        raise error(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+    for name, kinds in (*fields.items(), *optional.items()):
+        if name not in record:
+            if name in fields:
+                raise error(f"{path}:{line_no}: no {name!r} field")
+            continue
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
+        if not any(_KINDS[k](record[name]) for k in kinds):
+            raise error(f"{path}:{line_no}: {name} = {record[name]!r} is not {' or '.join(kinds)}")
 
 
 def _write_atomic(path: Path, write: Callable[[Any], None]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ..config import ConfigError
+from pdm_lab.config import ConfigError
 
 
 def machine_memory_bytes() -> int:

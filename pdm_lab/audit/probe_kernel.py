@@ -1,4 +1,4 @@
-"""The logit kernel K of SPEC §6d, as the own-update probe asks for it (``pdm_lab.probe``).
+"""The logit kernel K of SPEC §6d, as the own-update probe asks for it (``pdm_lab.audit.probe``).
 
 A step on token t moves θ along ∇_θ log π_t(k) = J_tᵀ v_t (v_t = e_k − π_t, J_t = ∂z_t/∂θ), which
 moves the token's own processed logits along K v_t = J_t J_tᵀ v_t (the empirical NTK; with a
@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError, check_tensor
+from pdm_lab.errors import PDMInputError, check_tensor
 
 
 @runtime_checkable
@@ -134,7 +134,7 @@ class FunctionalKernel:
 
 class InPlaceKernel:
     """``LogitKernel`` of any model, FSDP2 shards included, by central differences of forward passes
-    at θ ± εu (``pdm_lab.central_difference``; parameters perturbed in place, restored bit-exactly).
+    at θ ± εu (``pdm_lab.audit.central_difference``; parameters perturbed in place, restored bit-exactly).
 
     Args:
         params: the model's parameters (plain or DTensor shards).
@@ -159,7 +159,7 @@ class InPlaceKernel:
 
     def directional(self, u: list[Tensor]) -> Tensor:
         """[M, V] J u for this rank's probed rows along the parameter direction u (collective)."""
-        from .central_difference import central_difference, choose_eps
+        from pdm_lab.audit.central_difference import central_difference, choose_eps
 
         with torch.no_grad():
             base = self.logits_fn().double()
@@ -169,7 +169,7 @@ class InPlaceKernel:
         return central_difference(self.params, u, self.logits_fn, eps)
 
     def _pullback(self, row: int | None, v_row: Tensor | None) -> list[Tensor]:
-        from .central_difference import _world
+        from pdm_lab.audit.central_difference import _world
 
         for p in self.params:
             p.grad = None
@@ -183,7 +183,7 @@ class InPlaceKernel:
 
     def kernel_v(self, rows: Tensor, v: Tensor, *, precondition: bool | list[Tensor] = False) -> Tensor:
         """As ``LogitKernel.kernel_v``; ``precondition`` may also be an explicit per-parameter P."""
-        from .central_difference import _world
+        from pdm_lab.audit.central_difference import _world
 
         scale = self.preconditioner if precondition is True else (precondition or None)
         if precondition is True and scale is None:

@@ -210,3 +210,23 @@ def separation(best: Iterable, runner_up: Iterable, *, higher: bool = True, leve
 #: The rule both stages state beside a verdict.
 CRITERION = (f"a winner is named only when the {int(LEVEL * 100)}% Welch interval of its difference from the "
              f"runner-up (over runs) excludes 0, with ≥ {MIN_SEEDS} seeds per configuration")
+
+
+#: The power a minimal detectable difference is stated at.
+POWER = 0.80
+
+
+def minimal_detectable_difference(groups: Iterable[Iterable], *, level: float = LEVEL, power: float = POWER) -> float:
+    """The smallest difference of means between two configurations of this point that a two-sided
+    ``level`` Welch test detects with probability ``power``: (t_{1−α/2} + t_{power}) · s · √(2/n),
+    s the pooled within-configuration standard deviation over ``groups`` (per-run outcomes of each
+    configuration), n the median runs per configuration, df = Σ (nᵢ − 1). NaN: fewer than two
+    runs in every configuration."""
+    samples = [_finite(g) for g in groups]
+    samples = [xs for xs in samples if len(xs) >= 2]
+    if not samples:
+        return math.nan
+    df = sum(len(xs) - 1 for xs in samples)
+    pooled = sum(_moments(xs)[1] * (len(xs) - 1) for xs in samples) / df
+    n = sorted(len(xs) for xs in samples)[len(samples) // 2]
+    return (t_quantile(0.5 + level / 2, df) + t_quantile(power, df)) * math.sqrt(pooled * 2.0 / n)

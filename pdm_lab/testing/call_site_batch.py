@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..aggregation import DPInfo
+from pdm_lab.aggregation import DPInfo
 from pdm_lab.mask_config import MaskConfig
-from ..engine_topk import EngineTopK
-from ..loss import LossOutput, pdm_policy_loss
-from ..padding import PAD_ID, PAD_LOGP, PAD_SAMPLED, PAD_SAMPLED_LOGP
-from ..policy_side import policy_on_support
-from ..support import support_from_topk, topk_lower_id_ties
+from pdm_lab.engine_topk import EngineTopK
+from pdm_lab.loss import LossOutput, pdm_policy_loss
+from pdm_lab.padding import PAD_ID, PAD_LOGP, PAD_SAMPLED, PAD_SAMPLED_LOGP
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.support import support_from_topk, topk_lower_id_ties
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""The registration probe: what a mask rule's drop function reads and how its drops move, over a
+"""The registration check: what a mask rule's drop function reads and how its drops move, over a
 varied set of real batches, so that its declared record can be checked (``pdm_lab.rule_record``).
 
-The probe set is the product of
+The check set is the product of
 
 * real ``TokenStats`` (float64, ``token_stats`` with full distributions, binary divergences, a
   coupled c_t and a kernel term) of one eight-token batch (B = 2 responses × T = 4, the second one token shorter) under
@@ -16,7 +16,7 @@ The probe set is the product of
   band's upper end from 0.02 to open.
 
 So a branch on the sign of Â or r − 1, on δ, K, the convention or an optional field is taken
-by some probe. Every call's reads are noted (``RuleProbe`` for the statistics, ``_ProbeConfig``
+by some probe. Every call's reads are noted (``RuleCheckStats`` for the statistics, ``_CheckConfig``
 for the config) and its drops kept, to tell whether they change with K and the convention.
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from .direction import DDOT_ESTIMATORS
-from .errors import UserInputError
-from .policy_side import policy_on_support
-from .stats import TokenStats, token_stats
-from .support import support_from_full
+from pdm_lab.direction import DDOT_ESTIMATORS
+from pdm_lab.errors import UserInputError
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.token_stats import TokenStats, token_stats
+from pdm_lab.support import support_from_full
 
 DropFn = Callable[[TokenStats, Tensor, Any], Tensor]
 LEVELS = ("token", "sequence")
@@ -46,7 +46,7 @@ class RuleRecordError(UserInputError, ValueError):
 
 
 #: B = 2 responses × T = 4 tokens; the second response is one token shorter.
-PROBE_RESPONSES = ((True, True, True, True), (True, True, True, False))
+CHECK_RESPONSES = ((True, True, True, True), (True, True, True, False))
 _NEG = float("-inf")
 #: μ per token over a 6-token vocabulary (unnormalised; −inf: a token μ never samples) and the
 #: sampled id: ties (rows 0, 3), cut tokens (rows 1, 2), k outside μ's top-2 (rows 2, 5).
@@ -81,7 +81,7 @@ _KERNEL = (-0.3, 0.05, 0.0, 0.4, -0.02, -1.0, 0.2, 0.6)
 
 #: A value for every ``MaskConfig`` field (tests hold the key set equal to MaskConfig's); ``k``
 #: and ``convention`` are the probe's own per call.
-PROBE_CONFIG = {
+CHECK_CONFIG = {
     "rule": "probe", "delta": 0.05, "delta_neg": None, "k": 2, "convention": "union", "estimator": None,
     "eps_low": 0.2, "eps_high": 0.28, "icepop_low": 0.5, "icepop_high": 2.0, "clip_ratio_c": 2.0,
     "aggregation": "token-mean", "horizon": 3, "dual_clip_c": 3.0, "seq_agg": "mean",
@@ -89,10 +89,10 @@ PROBE_CONFIG = {
 }
 _UNSET = {"delta_neg": None, "clip_ratio_c": None, "horizon": None, "band_low": None, "veto_floor": None}
 CONFIGS = (
-    {**PROBE_CONFIG, **_UNSET, "delta": 0.0, "seq_agg": "mean"},
-    {**PROBE_CONFIG, "delta": 1e-3, "delta_neg": 0.05, "band_high": 0.1, "seq_agg": "max", "kernel_ratio": 0.0},
-    {**PROBE_CONFIG, "delta": 0.05, "band_high": 0.2, "seq_agg": "sum", "kernel_ratio": 10.0},
-    {**PROBE_CONFIG, **_UNSET, "delta": 10.0, "delta_neg": 1e-3, "band_high": None, "seq_agg": "mean"},
+    {**CHECK_CONFIG, **_UNSET, "delta": 0.0, "seq_agg": "mean"},
+    {**CHECK_CONFIG, "delta": 1e-3, "delta_neg": 0.05, "band_high": 0.1, "seq_agg": "max", "kernel_ratio": 0.0},
+    {**CHECK_CONFIG, "delta": 0.05, "band_high": 0.2, "seq_agg": "sum", "kernel_ratio": 10.0},
+    {**CHECK_CONFIG, **_UNSET, "delta": 10.0, "delta_neg": 1e-3, "band_high": None, "seq_agg": "mean"},
 )
 #: ``MaskConfig`` fields that are δ, and those that are K or the convention.
 DELTA_FIELDS = ("delta", "delta_neg", "delta_for_negative")
@@ -122,10 +122,10 @@ class _ProbeDdot(Mapping):
         return len(self._values)
 
 
-class RuleProbe:
+class RuleCheckStats:
     """The ``TokenStats`` a drop function sees at registration: a real one, each field read noted
     in ``reads``. A rule with a side effect (a log line, a counter) performs it then, once per
-    probe; ``isinstance(stats, RuleProbe)`` tells those calls apart."""
+    probe; ``isinstance(stats, RuleCheckStats)`` tells those calls apart."""
 
     def __init__(self, stats: TokenStats, reads: set[str]):
         values = {f.name: getattr(stats, f.name) for f in dataclasses.fields(TokenStats)}
@@ -141,7 +141,7 @@ class RuleProbe:
         return values[name]
 
 
-class _ProbeConfig:
+class _CheckConfig:
     """The ``MaskConfig`` a drop function sees at registration; notes each field it reads."""
 
     def __init__(self, values: dict[str, Any], reads: set[str]):
@@ -163,7 +163,7 @@ class _ProbeConfig:
 _STATS_CACHE: dict[tuple[str, ...], dict[tuple[int, str, str], TokenStats]] = {}
 
 
-def probe_stats() -> dict[tuple[int, str, str], TokenStats]:
+def check_stats() -> dict[tuple[int, str, str], TokenStats]:
     """(K, convention, policy) → the probe batch's real ``TokenStats`` (built once per set of
     registered Ḋ estimators: a new estimator gets its Ḋ)."""
     key = tuple(DDOT_ESTIMATORS)
@@ -213,7 +213,7 @@ def signature_level(name: str, fn: DropFn) -> str | None:
 
 @dataclasses.dataclass
 class Observation:
-    """What a drop function did over the probe set."""
+    """What a drop function did over the check set."""
 
     stats_reads: set[str]      # TokenStats fields, and ``ddot[<estimator>]`` per Ḋ read
     cfg_reads: set[str]        # MaskConfig fields
@@ -225,12 +225,12 @@ def observe(name: str, fn: DropFn, level: str) -> Observation:
     fails there or returns anything but an [N] bool tensor."""
     stats_reads: set[str] = set()
     cfg_reads: set[str] = set()
-    response_mask = torch.tensor(PROBE_RESPONSES)
+    response_mask = torch.tensor(CHECK_RESPONSES)
     drops: dict[tuple, list[Tensor]] = {}
     advantages = {name: torch.tensor(values, dtype=torch.float64) for name, values in ADVANTAGES.items()}
-    for (k, convention, policy), stats in probe_stats().items():
-        probe = RuleProbe(stats, stats_reads)
-        configs = [_ProbeConfig({**config, "k": k, "convention": convention}, cfg_reads) for config in CONFIGS]
+    for (k, convention, policy), stats in check_stats().items():
+        probe = RuleCheckStats(stats, stats_reads)
+        configs = [_CheckConfig({**config, "k": k, "convention": convention}, cfg_reads) for config in CONFIGS]
         for adv_name, adv in advantages.items():
             for c, (config, cfg) in enumerate(zip(CONFIGS, configs)):
                 args = (probe, adv.clone(), cfg)
@@ -240,7 +240,7 @@ def observe(name: str, fn: DropFn, level: str) -> Observation:
                     drop = fn(*args, response_mask) if level == "sequence" else fn(*args)
                 except Exception as err:  # noqa: BLE001 - whatever it is, the rule cannot be registered
                     msg = str(err).splitlines()[0] if str(err) else ""
-                    raise RuleRecordError(f"rule {name!r}: probe: its drop function fails on the registration probe "
+                    raise RuleRecordError(f"rule {name!r}: probe: its drop function fails on the registration check "
                                           f"({level}-level call; {where}): {type(err).__name__}: {msg}") from err
                 if not (isinstance(drop, Tensor) and drop.dtype == torch.bool and drop.shape == adv.shape):
                     got = f"{drop.dtype} {tuple(drop.shape)}" if isinstance(drop, Tensor) else type(drop).__name__

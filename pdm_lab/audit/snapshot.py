@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError
+from pdm_lab.errors import PDMInputError
 
 
 def _local(t: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from ..errors import UserInputError
+from pdm_lab.errors import UserInputError
 
 LOCK_NAME = ".pdm_lab.lock"
 

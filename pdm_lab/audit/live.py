@@ -10,7 +10,7 @@ once, for the scaling loop and the TRL trainer alike:
   restored in place (a DTensor shard keeps its placement; state the audit's steps created is
   removed again). Host memory: the snapshot's ``nbytes`` (AdamW: parameters + two moments).
 * ``step_record`` — from each rule's keep mask and ΔD, the audit's counts in the toy audit's
-  shape (``pdm_lab.audit.delta_rates`` entries per pair and rule, per measured divergence), plus
+  shape (``pdm_lab.audit.measure.delta_rates`` entries per pair and rule, per measured divergence), plus
   how often each rule's *dropped* outside tokens grew anyway (growth that can only come from the
   other tokens' updates through shared weights: interference). ``merge_records`` sums the counts
   of several ranks' records and recomputes the rates.
@@ -28,13 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .audit import delta_rates
-from .config import ConfigError, at_least, config_dataclass, non_negative, one_of
-from .host_snapshot import HostSnapshot, restore_optimizer, restore_params  # noqa: F401  (the audit's snapshot)
-from .masks import MASK_RULES
-from .probe import support_in_float64  # noqa: F401  (re-exported: the stages' measurement support)
+from pdm_lab.audit.measure import delta_rates
+from pdm_lab.config import ConfigError, at_least, config_dataclass, non_negative, one_of
+from pdm_lab.audit.snapshot import HostSnapshot, restore_optimizer, restore_params  # noqa: F401  (the audit's snapshot)
+from pdm_lab.masks import MASK_RULES
+from pdm_lab.audit.probe import support_in_float64  # noqa: F401  (re-exported: the stages' measurement support)
 
 COUNT_KEYS = ("count", "grew", "shrank", "flat_count")
+MINI_BATCH_CHOICES = ("first", "last", "all")
+"""``LiveAuditConfig.mini_batch``'s named values (else an integer index)."""
 
 
 @config_dataclass("audit")
@@ -65,6 +67,17 @@ class LiveAuditConfig:
     step_scales: tuple[float, ...] = (1.0, 0.1, 0.01)
     """Audit each rule's step at these multiples of the run's learning rate (1 is always run):
     unsafe-keep per rule against median |ΔD|/D, beside the kept-by-all and momentum-only controls."""
+    mini_batch: Any = "last"  # int | str: checked in __post_init__ (the config's union check is numeric-only)
+    """Where in the step the audit is taken (SPEC §6c), for a trainer that splits each rollout batch
+    into M optimiser steps (the scaling loop's ``trainer.mini_batches``): ``first`` (j = 0, a fresh
+    policy: the numerics alone), ``last`` (j = M − 1), ``all`` (every j, one record each), or an
+    integer j < M. The state audited is the run's at the moment its mask acts on mini-batch j —
+    after this batch's first j real optimiser steps, with their AdamW state — and the rules' steps
+    are steps on mini-batch j; the record carries ``mini_batch``. Default ``last``: the most stale
+    mini-batch, where D holds the numerics plus M − 1 steps of staleness, most tokens lie outside δ
+    and so the mask acts most — the regime the paper's split (M = 8) trains in; ``first`` audits
+    only the numerics, which SPEC §6b says is not the paper's regime. A trainer with one optimiser
+    step per batch (the TRL trainer) audits that step whatever this says."""
 
     def __post_init__(self) -> None:
         if len(self.rules) < 2:
@@ -73,9 +86,22 @@ class LiveAuditConfig:
             one_of(f"audit.rules[{i}]", rule, MASK_RULES)
             # a rule that needs ``kernel`` (pdm_kernel) is the stage's to supply: the loop's loss
             # path computes c_t (scaling/train_step.py); the TRL trainer refuses it
+        choice = self.mini_batch
+        if isinstance(choice, bool) or not (choice in MINI_BATCH_CHOICES or (isinstance(choice, int) and choice >= 0)):
+            raise ConfigError(f"audit.mini_batch: first, last, all or a mini-batch index ≥ 0, got {choice!r}")
         for i, scale in enumerate(self.step_scales):
             if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
                 raise ConfigError(f"audit.step_scales[{i}]: a positive multiple of the learning rate, got {scale!r}")
+
+    def mini_batches(self, m: int) -> tuple[int, ...]:
+        """The audited mini-batch indices of a step split into ``m`` optimiser steps."""
+        choice = self.mini_batch
+        if choice == "all":
+            return tuple(range(m))
+        j = {"first": 0, "last": m - 1}.get(choice, choice)
+        if not 0 <= j < m:
+            raise ConfigError(f"audit.mini_batch: {j} is not one of the step's {m} mini-batches (0 … {m - 1})")
+        return (j,)
 
     @property
     def scales(self) -> tuple[float, ...]:
@@ -269,23 +295,97 @@ def run_live_audit(stage: LiveAuditStage, *, rules, cfg: LiveAuditConfig, mask_c
     and the step decomposition (SPEC §6d) on up to ``cfg.probe_tokens`` outside tokens; every
     rank's record merged. Collective: every rank calls it at the same step.
 
+    A batch with no token near δ (largest D at θ₀ ≤ ``IDLE_MARGIN``·δ on every rank) takes no snapshot
+    and no step: its record has the same keys, zero counts, ``idle`` true (``_idle_record``).
+
     Returns the record: ``step_record``'s keys at the run's step, ``tokens``, ``zero_advantage``,
     ``regime``, ``step_scales`` (scale → ``step_scale_record``), ``probe`` (``own_update_probe``'s
     keys), ``decomposition`` (rule → ``step_decomposition``'s keys), ``host_snapshot_bytes``,
-    ``time/probe_s``.
+    ``state_fingerprint`` (every rank's ``state_fingerprint`` of the snapshotted parameters, in rank
+    order: a check that the audit saw the state it claims), ``time/probe_s``. A step that raises
+    (a non-finite update) restores the snapshot before the error propagates.
     """
-    import dataclasses as _dc
-
-    from .audit import regime_table
-    from .central_difference import _world, adam_preconditioner
-    from .masks import outside_region
-    from .probe import pool_decomposition, pool_probe, probe_rows, probe_with_kernel
-    from .probe_record import GradientRecorder, decompose_live, step_scale_record
 
     rules = tuple(dict.fromkeys(rules))
     probing = cfg.probe_tokens > 0
+    fingerprint = gather_objects(state_fingerprint(stage.params))
+    before = stage.measure()  # D at θ₀ (float64, collective): read only, so before the snapshot
+    peak = max(float(d.max()) if d.numel() else 0.0 for d in gather_objects(before.detach().cpu()))
+    if peak <= IDLE_MARGIN * delta:  # no token can be outside: nothing to audit, no snapshot, no step
+        return _idle_record(rules, before, getattr(stage, "advantages", None), delta, cfg, contexts, fingerprint,
+                            peak)
     snapshot = HostSnapshot.take(stage.params, stage.optimizer)
-    before = stage.measure()
+    try:
+        return _audit_from_snapshot(stage, snapshot, rules, cfg, mask_cfg, delta, contexts, seed, probing,
+                                    fingerprint, before)
+    except BaseException:  # a step that raised (a non-finite update): the state as it was, then the error
+        snapshot.restore(stage.params, stage.optimizer)
+        raise
+
+
+#: A batch whose largest float64 D at θ₀ is at most this fraction of δ has no outside token (the
+#: loss-time D that decides "outside" differs from it by float32 rounding, far below 1%), so the
+#: audit records it without a snapshot or a step: an audit left on costs one forward when idle.
+IDLE_MARGIN = 0.99
+
+
+def _idle_record(rules, before: Tensor, advantages: Tensor | None, delta: float, cfg: "LiveAuditConfig",
+                 contexts: int, fingerprint, peak: float) -> dict:
+    """The record of a batch with no outside token: the same keys as an audited one, every count 0
+    and every rate null (nothing counted), ``idle`` true, the regime from D at θ₀."""
+    from pdm_lab.audit.measure import regime_table
+    from pdm_lab.audit.probe_record import step_scale_record
+
+    n = int(before.numel())
+    none = torch.zeros(n, dtype=torch.bool)
+    zeros = torch.zeros(n, dtype=torch.float64)
+    keep = {r: torch.ones(n, dtype=torch.bool) for r in rules}
+    record = step_record(rules, keep, {r: {"topk_kl": zeros, "full_kl": None} for r in rules}, none, cfg.tolerance)
+    considered = torch.ones(n, dtype=torch.bool) if advantages is None else advantages.detach().cpu().reshape(-1) != 0
+    gathered = gather_objects((n, before.detach().double().cpu(), considered))
+    d_all = torch.cat([g[1] for g in gathered])
+    tokens = sum(g[0] for g in gathered)
+    record.update(tokens=tokens, zero_advantage=sum(int((~g[2]).sum()) for g in gathered), idle=True, peak_d=peak)
+    if d_all.numel():
+        all_none = torch.zeros(d_all.numel(), dtype=torch.bool)
+        record["regime"] = regime_table(d_all, all_none, torch.cat([g[2] for g in gathered]),
+                                        tokens_per_state=tokens / max(contexts, 1))
+    record["step_scales"] = {f"{s:g}": step_scale_record(rules, {r: torch.ones_like(all_none) for r in rules},
+                                                         {r: torch.zeros_like(d_all) for r in rules}, None, d_all,
+                                                         all_none, cfg.tolerance, s)
+                             for s in cfg.scales} if d_all.numel() else {}
+    record["probe"] = None
+    if cfg.probe_tokens > 0:
+        record["decomposition"] = {rule: None for rule in rules}
+    record.update({"rules": list(rules), "delta": delta, "tolerance": cfg.tolerance, "ranks": len(gathered),
+                   "host_snapshot_bytes": 0, "state_fingerprint": list(fingerprint), "time/probe_s": 0.0})
+    return record
+
+
+def state_fingerprint(params) -> str:
+    """A SHA-256 of this rank's parameters (local shards, their bytes in order): which state an
+    audit snapshotted. ``run_live_audit`` records every rank's as ``state_fingerprint``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in params:
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t
+        h.update(str((tuple(t.shape), t.dtype)).encode())
+        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _audit_from_snapshot(stage, snapshot, rules, cfg, mask_cfg, delta, contexts, seed, probing, fingerprint,
+                         before: Tensor) -> dict:
+    import dataclasses as _dc
+
+    from pdm_lab.audit.measure import regime_table
+    from pdm_lab.audit.central_difference import _world, adam_preconditioner
+    from pdm_lab.masks import outside_region
+    from pdm_lab.audit.probe import pool_decomposition, pool_probe, probe_rows, probe_with_kernel
+    from pdm_lab.audit.probe_record import GradientRecorder, decompose_live, step_scale_record
+
     keep, first, recorders, dd, memory = {}, None, {}, {}, {}
     for scale in cfg.scales:
         dd[scale] = {}
@@ -357,5 +457,6 @@ def run_live_audit(stage: LiveAuditStage, *, rules, cfg: LiveAuditConfig, mask_c
             parts = [g[3][rule] for g in gathered if g[3] and g[3][rule]["decomp/tokens"]]
             record["decomposition"][rule] = pool_decomposition(parts) if parts else None
     record.update({"rules": list(rules), "delta": delta, "tolerance": cfg.tolerance, "ranks": len(gathered),
-                   "host_snapshot_bytes": snapshot.nbytes, "time/probe_s": probe_s})
+                   "host_snapshot_bytes": snapshot.nbytes, "state_fingerprint": list(fingerprint),
+                   "time/probe_s": probe_s})
     return record

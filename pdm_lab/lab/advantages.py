@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .errors import PDMInputError, check_same, check_tensor
+from pdm_lab.errors import PDMInputError, check_same, check_tensor
 
 
 def group_advantages(rewards: Tensor, groups: Tensor, valid: Tensor | None = None, *,

@@ -40,7 +40,7 @@ try:
 except ImportError as err:  # the core installs without them
     raise ImportError(f"pdm_lab.testing needs hypothesis and mpmath: pip install 'pdm_lab[test]' ({err})") from None
 
-from .oracle import PRECISION, Instance, spec_support
+from pdm_lab.oracle import PRECISION, Instance, spec_support
 
 #: Regimes of ``llm_cases`` (each a way real logits break naive code).
 REGIMES = ("peaked", "flat", "ties", "near_certain", "deep_tail")
@@ -166,7 +166,7 @@ def oracle_mask_rules() -> tuple[str, ...]:
     M = 0 iff divergence > δ ∧ Â·direction > 0, read from each record — token level, a divergence
     the oracle computes, δ, the ratio test (no estimator) or a Ḋ estimator of SPEC §3's table, and
     no input beyond full distributions."""
-    from .masks import MASK_RULES
+    from pdm_lab.masks import MASK_RULES
 
     return tuple(sorted(name for name, rec in MASK_RULES.items()
                         if rec.level == "token" and rec.divergence in ORACLE_DIVERGENCES and rec.uses_delta
@@ -177,7 +177,7 @@ def oracle_keep(row: dict, advantage: float, rule: str, delta: float, tol: float
     """SPEC §4 decision of `rule` for one token (True: keep), from its record: the divergence it
     thresholds, the direction its estimator gives (the ratio test without one). None when the
     token is on a boundary within `tol` (a correct float implementation may go either way there)."""
-    from .masks import get_mask_rule
+    from pdm_lab.masks import get_mask_rule
 
     record = get_mask_rule(rule)
     d = row[record.divergence]
@@ -243,9 +243,9 @@ def check_mask(fn: Callable[..., Tensor], rule: str = "dppo_topk_kl", *, delta: 
 
 def pdm_lab_divergence(divergence: str) -> Callable[..., Tensor]:
     """pdm_lab's `divergence` as ``fn(mu_logp, pi_logp, sampled, k, convention)``."""
-    from .policy_side import policy_on_support
-    from .stats import token_stats
-    from .support import support_from_full
+    from pdm_lab.policy_side import policy_on_support
+    from pdm_lab.token_stats import token_stats
+    from pdm_lab.support import support_from_full
 
     def fn(mu_logp, pi_logp, sampled, k, convention):
         support = support_from_full(mu_logp, sampled, k=k, convention=convention)
@@ -256,10 +256,10 @@ def pdm_lab_divergence(divergence: str) -> Callable[..., Tensor]:
 def pdm_lab_mask(rule: str) -> Callable[..., Tensor]:
     """pdm_lab's `rule` as ``fn(mu_logp, pi_logp, sampled, advantages, k, delta, convention)``."""
     from pdm_lab.mask_config import MaskConfig
-    from .masks import compute_mask
-    from .policy_side import policy_on_support
-    from .stats import token_stats
-    from .support import support_from_full
+    from pdm_lab.masks import compute_mask
+    from pdm_lab.policy_side import policy_on_support
+    from pdm_lab.token_stats import token_stats
+    from pdm_lab.support import support_from_full
 
     def fn(mu_logp, pi_logp, sampled, advantages, k, delta, convention):
         support = support_from_full(mu_logp, sampled, k=k, convention=convention)

@@ -1,7 +1,7 @@
 """The own-update probe and the step decomposition of SPEC §6d (core: no stage imports).
 
 Every direction test of SPEC §3 assumes a step on token t moves only its own logits, along
-v = e_k − π. A network moves them along K v (``pdm_lab.probe_kernel``: K = J Jᵀ, or J P Jᵀ under a
+v = e_k − π. A network moves them along K v (``pdm_lab.audit.probe_kernel``: K = J Jᵀ, or J P Jᵀ under a
 diagonal preconditioner), so to first order the token's own update changes a divergence D by
 
     ΔD_own = η·Â·r·⟨∇_z D, K v⟩.
@@ -28,15 +28,15 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .audit import mean_ci, median_ci, paired_rate_diff_ci, wilson_ci
-from .divergence import full_kl
-from .errors import PDMInputError, check_same, check_tensor
-from .kernel_direction import kernel_scores, own_direction, topk_kl_logit_grad
-from .masks import MaskRule, get_mask_rule, kernel_outward, predictive_outward, ratio_outward
-from .policy_side import policy_on_support
-from .probe_kernel import FunctionalKernel, LogitKernel
-from .stats import token_stats
-from .support import Support
+from pdm_lab.audit.intervals import mean_ci, median_ci, paired_rate_diff_ci, wilson_ci
+from pdm_lab.divergence import full_kl
+from pdm_lab.errors import PDMInputError, check_same, check_tensor
+from pdm_lab.kernel_direction import kernel_scores, own_direction, topk_kl_logit_grad
+from pdm_lab.masks import MaskRule, get_mask_rule, kernel_outward, predictive_outward, ratio_outward
+from pdm_lab.policy_side import policy_on_support
+from pdm_lab.audit.probe_kernel import FunctionalKernel, LogitKernel
+from pdm_lab.token_stats import token_stats
+from pdm_lab.support import Support
 
 __all__ = ["FunctionalKernel", "LogitKernel", "own_direction", "fit_kernel_ab", "own_update_probe",
            "probe_with_kernel", "divergence_grads", "step_decomposition", "pool_probe", "pool_decomposition", "probe_rows",
