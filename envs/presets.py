@@ -40,10 +40,10 @@ REALISTIC_STRONG = "bf16_engine:0+lognormal:0.09"
 #: The audit's LLM-like regime at the paper's power: long responses (EOS the favourite in 0.35% of
 #: prior rows: ~140 tokens per response, so a 1024-sequence batch holds ~1.3·10⁵ tokens), vocabulary
 #: 256 to keep the float64 audit small. The audit point is trained in float64 (``train_precision``),
-#: so its counts are the same on every CPU (docs/reproducibility.md). Measured at seed 0: 3,979
+#: so its counts are the same on every CPU (docs/findings/reproducibility.md). Measured at seed 0: 3,979
 #: outside and 136 disagreement tokens, 3.2% of Â ≠ 0 tokens outside δ (above SPEC §6b's 1%: at
 #: ≤ 1% this toy's disagreement/outside ratio, ~3%, leaves a 1024-sequence batch short of 50
-#: disagreement tokens), p99.9/p50 1,136, top-20 mass ≥ 0.99 at 95%; docs/results.md has the
+#: disagreement tokens), p99.9/p50 1,136, top-20 mass ≥ 0.99 at 95%; docs/findings/results.md has the
 #: 61-seed figures.
 AUDIT_PROBLEM = ProblemConfig(kind="token_mdp", token_mdp=TokenMDPConfig(
     vocab_size=256, max_len=384, paraphrases=64, prior_rows=4096, temperature=0.3,
@@ -133,11 +133,11 @@ AUDIT_PRESETS: dict[str, AuditConfig] = {
                          flip_tokens=16),
     # make run's stress setting, said to be one (81% of Â ≠ 0 tokens outside δ, p99.9/p50 ~5: far
     # outside SPEC §6b's band): tabular bandit, i.i.d. noise:1, 16 tokens per state, untrained;
-    # 16 seeds × 1024 sequences separate the main pair (~1 min on 2 cores; docs/results.md)
+    # 16 seeds × 1024 sequences separate the main pair (~1 min on 2 cores; docs/findings/results.md)
     "stress-bandit": AuditConfig(mismatch="noise:1", seeds=16, sequences=1024, n_boot=2000),
     # the earlier harsh audit: bandit, i.i.d. noise, 16 tokens per state
     "stress": AuditConfig(mismatch="noise:1", seeds=16, k_sweep=(5, 20, 100), k_sweep_seeds=4),
-    # SPEC §6d's toy faithful to the loop (docs/faithful-toy.md): a causal transformer with an untied
+    # SPEC §6d's toy faithful to the loop (docs/findings/faithful-toy.md): a causal transformer with an untied
     # unembedding, trained and audited with the loop's AdamW (its state carried into the audited
     # step), the own-update probe and the step decomposition at the run's step and ×10⁴ … ×10⁻²;
     # responses of ~20 tokens (max 48) so the float64 transformer audit stays minutes

@@ -5,11 +5,11 @@ A network moves a token's own logits along K v, not v (v = e_k − π). The own-
 of the kernel) and scores the kernel-aware test Â·⟨g, (a·I + b·W Wᵀ) v⟩, g = ∇_z D the gradient
 of the top-K KL over the processed logits. With λ = b/a (a > 0),
 
-    Â·⟨g, (a·I + b·W Wᵀ) v⟩ > 0  ⟺  Â·(Ḋ_topk + λ·c_t) > 0,
-    c_t = ⟨Wᵀ g_t, Wᵀ v_t⟩ = (Wᵀ g_t)·(w_{k_t} − Wᵀ π_t),
+    Â·⟨g, (a·I + b·W Wᵀ) v⟩ > 0  ⟺  Â·(Ḋ_topk + λ·h_t) > 0,
+    h_t = ⟨Wᵀ g_t, Wᵀ v_t⟩ = (Wᵀ g_t)·(w_{k_t} − Wᵀ π_t),
 
 because ⟨g, v⟩ is PDM's Ḋ_topk (SPEC §3: the exact first-order change of the top-K KL along v).
-Rule ``pdm_kernel`` drops D > δ ∧ Â ≠ 0 ∧ Â·(Ḋ_topk + λ·c_t) > 0 with λ = ``MaskConfig.kernel_ratio``.
+Rule ``pdm_kernel`` drops D > δ ∧ Â ≠ 0 ∧ Â·(Ḋ_topk + λ·h_t) > 0 with λ = ``MaskConfig.kernel_ratio``.
 
 The gradient of the top-K KL in closed form: with μ fixed,
 dD = −Σ_{i∈S} μ_i d log π_i − μ_T d log π_T and d log π_T = Σ_{j∉S} (π_j/π_T) dz_j − ⟨π, dz⟩, so
@@ -52,7 +52,7 @@ def topk_kl_logit_grad(logits: Tensor, support: Support) -> Tensor:
 
 @torch.no_grad()
 def kernel_scores(logits: Tensor, unembedding: Tensor, support: Support) -> Tensor:
-    """[N] c_t = ⟨Wᵀ g_t, Wᵀ v_t⟩ in float64 (module docstring), for rule ``pdm_kernel``.
+    """[N] h_t = ⟨Wᵀ g_t, Wᵀ v_t⟩ in float64 (module docstring), for rule ``pdm_kernel``.
 
     Args:
         logits: [N, V] π's processed logits (after temperature), one row per token.

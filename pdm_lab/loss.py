@@ -75,7 +75,7 @@ def pdm_policy_loss(pi: PolicyOnSupport, support: Support, advantages: Tensor,
         compiled: the compiled stats path (see ``token_stats``) and the surrogate, aggregation and
             metrics as one compiled graph; default from ``PDM_LAB_COMPILE``. Tested equal to eager.
         coupled: [N] c_t of SPEC §3b (``pdm_lab.coupled.coupled_scores``), for ``pdm_coupled``.
-        kernel: [N] c_t = ⟨Wᵀg, Wᵀv⟩ (``pdm_lab.kernel_direction.kernel_scores``), for ``pdm_kernel``.
+        kernel: [N] h_t = ⟨Wᵀg, Wᵀv⟩ (``pdm_lab.kernel_direction.kernel_scores``), for ``pdm_kernel``.
         dp: this batch is a part (micro-batch, rank) of a larger one: the loss is this part's
             share of the whole batch's aggregate (``pdm_lab.aggregation``); the metric sums stay
             this part's own, to be merged (``merge_metrics``, ``all_reduce_metrics``).

@@ -23,7 +23,7 @@ def check_loss_inputs(support: Support, response_mask: Tensor, cfg: Any, coupled
         response_mask: [B, T] bool or 0/1 numbers.
         cfg: the mask config (``MaskConfig``: its ``k``).
         coupled: [N] c_t (SPEC §3b), or None.
-        kernel: [N] c_t = ⟨Wᵀg, Wᵀv⟩ (``pdm_lab.kernel_direction``, rule ``pdm_kernel``), or None.
+        kernel: [N] h_t = ⟨Wᵀg, Wᵀv⟩ (``pdm_lab.kernel_direction``, rule ``pdm_kernel``), or None.
     """
     check_zero_one("response_mask", response_mask)
     if support.top_k is not None and support.top_k != cfg.k:

@@ -22,7 +22,8 @@ class MaskConfig:
     delta_neg: Annotated[float, non_negative] | None = None
     """Separate δ for Â < 0 (DPPO's code allows it); None: same as ``delta``."""
     k: Annotated[int, at_least(1)] = 20
-    """K, how many of μ's top tokens the rollout exposes (paper: 20)."""
+    """K, how many of μ's top tokens the rollout exposes (paper: 20). The key is ``k`` as in DPPO's
+    and verl's configs; in SPEC's symbols it is K, the support size — never k, the sampled token."""
     convention: str = "union"
     """Support convention: ``union`` (paper, TopK ∪ {k}) or ``kslot`` (DPPO's public code)."""
     estimator: str | None = None
@@ -57,8 +58,8 @@ class MaskConfig:
     opsm_delta: Annotated[float, non_negative] = 1e-4
     """``opsm``: drop an Â<0 response whose mean log μ_k − log π_k exceeds this (slime: 1e-4)."""
     kernel_ratio: Annotated[float, non_negative] = 1.0
-    """``pdm_kernel``: λ = b/a, the weight of the head-kernel term c_t = ⟨Wᵀg, Wᵀv⟩ beside Ḋ_topk
-    (drop D > δ ∧ Â·(Ḋ_topk + λ·c_t) > 0; 0 gives ``pdm_topk``'s drops). Take it from a run's
+    """``pdm_kernel``: λ = b/a, the weight of the head-kernel term h_t = ⟨Wᵀg, Wᵀv⟩ beside Ḋ_topk
+    (drop D > δ ∧ Â·(Ḋ_topk + λ·h_t) > 0; 0 gives ``pdm_topk``'s drops). Take it from a run's
     own-update probe: the median b/a of ``probe/kernel_fit`` (``pdm-lab mechanism``); 1.0 is a
     placeholder, not a fitted value."""
 

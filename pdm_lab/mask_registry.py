@@ -36,7 +36,7 @@ class MaskRule:
     """``token`` or ``sequence`` (drops whole responses; sees the [B, T] layout)."""
     needs: tuple[str, ...] = ()
     """inputs beyond token stats: ``full`` (full distributions), ``coupled`` (c_t from the model),
-    ``kernel`` (c_t = ⟨Wᵀg, Wᵀv⟩ from the unembedding W)."""
+    ``kernel`` (h_t = ⟨Wᵀg, Wᵀv⟩ from the unembedding W)."""
     binary_stats: bool = False
     """reads ``stats.binary_kl`` / ``binary_tv``: ``pdm_policy_loss`` computes them only then."""
     doc: str = ""

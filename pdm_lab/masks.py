@@ -5,7 +5,7 @@ A rule is a record (``MaskRule``): its name, its drop function ``(stats, advanta
 the Ḋ estimator that decides its direction, its support (μ's top-K, or the sampled token's one
 slot), whether it reads δ, whether its drops change with K, its level, the inputs it needs and
 DPPO's binary divergences (``pdm_lab.rule_record``). Adding a rule is one decorated function
-whose keywords declare its record (docs/rules.md)::
+whose keywords declare its record (docs/guide/rules.md)::
 
     @register_mask("my_rule", divergence="topk_kl", estimator="topk", support="topk",
                    uses_delta=True, uses_k=True)
@@ -155,10 +155,10 @@ def mask_pdm_topk(stats, advantages, cfg):
 
 
 def kernel_outward(stats: TokenStats, advantages: Tensor, kernel_ratio: float) -> Tensor:
-    """The kernel-aware direction test Â·(Ḋ_topk + λ·c_t) > 0, c_t = ⟨Wᵀg, Wᵀv⟩ from
+    """The kernel-aware direction test Â·(Ḋ_topk + λ·h_t) > 0, h_t = ⟨Wᵀg, Wᵀv⟩ from
     ``stats.kernel`` (``pdm_lab.kernel_direction``), λ = ``kernel_ratio`` (SPEC §6d)."""
     if stats.kernel is None:
-        raise PDMInputError("pdm_kernel: these stats lack c_t = ⟨Wᵀg, Wᵀv⟩; the stage computes it with "
+        raise PDMInputError("pdm_kernel: these stats lack h_t = ⟨Wᵀg, Wᵀv⟩; the stage computes it with "
                             "pdm_lab.kernel_direction.kernel_scores and passes pdm_policy_loss(kernel=c)")
     check_same(("stats.kernel", "advantages"), stats.kernel, advantages)
     return (advantages != 0) & (advantages * (stats.ddot["topk"] + kernel_ratio * stats.kernel) > 0)
@@ -193,7 +193,7 @@ def mask_pdm_coupled(stats, advantages, cfg):
 @_register_builtin("pdm_kernel", divergence="topk_kl", estimator="topk", support="topk", uses_delta=True, uses_k=True,
                needs=("kernel",))
 def mask_pdm_kernel(stats, advantages, cfg):
-    """PDM kernel-aware (SPEC §6d): drop D > δ ∧ Â ≠ 0 ∧ Â·(Ḋ_topk + λ·c_t) > 0, c_t = ⟨Wᵀg_t, Wᵀv_t⟩
+    """PDM kernel-aware (SPEC §6d): drop D > δ ∧ Â ≠ 0 ∧ Â·(Ḋ_topk + λ·h_t) > 0, h_t = ⟨Wᵀg_t, Wᵀv_t⟩
     (W the unembedding, g = ∇_z D, v = e_k − π; the head's part W Wᵀ of the network's logit
     kernel), λ = ``cfg.kernel_ratio``; c from ``pdm_lab.kernel_direction``."""
     return outside_region(stats.topk_kl, advantages, cfg) & kernel_outward(stats, advantages, cfg.kernel_ratio)

@@ -33,7 +33,8 @@ def pdm_policy_loss_reference(logits: Tensor, topk_ids: Tensor, topk_logp: Tenso
     n, vocab = logits.shape
     rows, k, resp = torch.arange(n), sampled.long(), response_mask.reshape(-1).bool()
     # SPEC §2: S = μ's top-K plus k (union), or k in the K-th slot (kslot); μ on S, μ_T from the head
-    top_ids, top_logp = topk_ids[:, :cfg.k].long(), topk_logp[:, :cfg.k].double()
+    K = cfg.k  # SPEC's K (the support size); k below is the sampled token, as in SPEC
+    top_ids, top_logp = topk_ids[:, :K].long(), topk_logp[:, :K].double()
     real = top_ids >= 0  # padding (−1) adds nothing below
     in_s = torch.zeros(n, vocab, dtype=torch.float64).scatter_add(1, top_ids.clamp(min=0), real.double()) > 0
     mu = torch.zeros(n, vocab, dtype=torch.float64).scatter_add(1, top_ids.clamp(min=0), real * top_logp.exp())

@@ -6,7 +6,7 @@ verl 0.9 (``verl/trainer/ppo/rollout_corr_helper.py``: ``compute_offpolicy_metri
 from the trainer's log π_k before the update and the rollout's log μ_k. Here every loss call
 reports them as ``corr/<name>`` (merged over the step's mini-batches like every metric), and
 ``pdm_lab.metrics.as_mismatch`` gives the rollout-time ones (the batch before any optimiser step)
-verl's keys (``ROLLOUT_CORR_KEYS``). The table with the formulas: ``docs/metrics.md``.
+verl's keys (``ROLLOUT_CORR_KEYS``). The table with the formulas: ``docs/guide/metrics.md``.
 
 Per response token, l = log r = log π_k − log μ_k, in float64:
 
@@ -92,7 +92,7 @@ def _per_sequence(lr: Tensor, resp: Tensor, keep: Tensor | None,
 
 
 #: verl's key of each rollout-time metric (``as_mismatch``); ``mask/frac_dropped`` is verl's
-#: token rejection fraction. pdm_lab's own key ↔ verl's: docs/metrics.md.
+#: token rejection fraction. pdm_lab's own key ↔ verl's: docs/guide/metrics.md.
 ROLLOUT_CORR_KEYS = {
     "corr/k1_kl": "rollout_corr/kl", "corr/k3_kl": "rollout_corr/k3_kl",
     "corr/chi2_token": "rollout_corr/chi2_token", "corr/chi2_seq": "rollout_corr/chi2_seq",

@@ -76,7 +76,7 @@ ADVANTAGES = {
     "per response": (1.0,) * 4 + (-1.0,) * 4,
 }
 _COUPLED = (0.2, -0.1, 0.3, 0.0, -0.4, 0.1, 0.5, -0.2)
-#: c_t = ⟨Wᵀg, Wᵀv⟩ (``pdm_kernel``): both signs, a zero, magnitudes beside and beyond Ḋ's
+#: h_t = ⟨Wᵀg, Wᵀv⟩ (``pdm_kernel``): both signs, a zero, magnitudes beside and beyond Ḋ's
 _KERNEL = (-0.3, 0.05, 0.0, 0.4, -0.02, -1.0, 0.2, 0.6)
 
 #: A value for every ``MaskConfig`` field (tests hold the key set equal to MaskConfig's); ``k``

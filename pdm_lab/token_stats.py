@@ -38,7 +38,7 @@ class TokenStats:
     coupled: Tensor | None = None
     """c_t of SPEC §3b (``pdm_lab.coupled``), supplied by the stage for ``pdm_coupled``; else None."""
     kernel: Tensor | None = None
-    """c_t = ⟨Wᵀg, Wᵀv⟩ of SPEC §6d's head kernel (``pdm_lab.kernel_direction``), supplied by the stage
+    """h_t = ⟨Wᵀg, Wᵀv⟩ of SPEC §6d's head kernel (``pdm_lab.kernel_direction``), supplied by the stage
     for ``pdm_kernel``; else None."""
 
 

@@ -45,6 +45,7 @@ from pdm_lab.audit.live import ProbeView, StepOutcome, distinct_contexts, run_li
 from pdm_lab.policy_side import PolicyOnSupport
 from pdm_lab.audit.probe_record import token_weights
 from pdm_lab.token_stats import token_stats
+from pdm_lab.sampling_mask import engine_kept, on_sampling_set
 from pdm_lab.support import support_from_topk
 
 from .audit_probe import loop_probe_view, reshard
@@ -70,16 +71,21 @@ def rule_mask_config(mask_cfg, rule: str, delta: float):
 
 @torch.no_grad()
 def measured_divergence(policy, mb: MicroBatch, mask_cfg, vocab_size: int, temperature: float,
-                        chunk_tokens: int | None) -> Tensor:
+                        chunk_tokens: int | None, sampling=None) -> Tensor:
     """[n] top-K KL D(μ‖π) of the micro-batch's response tokens in float64 (μ's support as the
-    rules build it, then cast; lm_head and the softmax in float64). Collective under FSDP."""
+    rules build it, then cast; lm_head and the softmax in float64; with the engine's sampling mask
+    kept, π over the sampling set, as the loss computes it). Collective under FSDP."""
     valid = mb.response_mask.reshape(-1).nonzero(as_tuple=True)[0]
     support = support_in_float64(support_from_topk(mb.topk_ids[valid], mb.topk_logp[valid], mb.sampled[valid],
                                                    mb.sampled_logp[valid], vocab_size=vocab_size, k=mask_cfg.k,
                                                    convention=mask_cfg.convention))
-    logp, tail, sumsq = policy(mb.input_ids, mb.attention_mask, mb.positions, support.ids, temperature,
-                               chunk_tokens, head_dtype=torch.float64)
-    pi = PolicyOnSupport(logp=logp.double(), tail_logp=tail.double(), tail_log_sumsq=sumsq.double())
+    extra = {} if sampling is None else {"sampling": sampling, "keep_on_support": engine_kept(support)}
+    out = policy(mb.input_ids, mb.attention_mask, mb.positions, support.ids, temperature, chunk_tokens,
+                 head_dtype=torch.float64, **extra)
+    pi = PolicyOnSupport(logp=out[0].double(), tail_logp=out[1].double(), tail_log_sumsq=out[2].double())
+    if len(out) == 4:  # π over the engine's sampling set (SPEC §1): the D the loss's mask thresholds
+        pi = dataclasses.replace(pi, tail_count=out[3])
+        support = on_sampling_set(support, out[3])
     reshard(policy)
     return token_stats(support, pi, binary=False).topk_kl
 
@@ -148,7 +154,8 @@ class LoopAuditStage:
     def measure(self) -> Tensor:
         cfg = self.cfg
         return torch.cat([measured_divergence(self.policy, mb, cfg.mask, self.vocab_size, cfg.rollout.temperature,
-                                              cfg.trainer.logits_chunk_tokens) for mb in self.micros])
+                                              cfg.trainer.logits_chunk_tokens, getattr(cfg.rollout, "sampling_mask", None))
+                          for mb in self.micros])
 
     def probe_view(self, rows: Tensor, preconditioner) -> ProbeView:
         return loop_probe_view(self, rows.cpu(), preconditioner)

@@ -4,6 +4,9 @@ One schema for every run, tiny CPU or 30B: the ``mask:`` section is ``pdm_lab.ma
 the same type the toy sweeps use, so a promoted toy configuration drops in unchanged. Unknown keys
 are errors naming the nearest valid key (``pdm_lab.config.from_dict``). Defaults follow the paper's
 setup (SPEC §7) where it states one; the tiny config overrides what a CPU can afford.
+
+One module of ~530 lines on purpose, as TRL's ``GRPOConfig`` is: the whole run's schema reads in
+one place, and most lines are the fields' one-line docs (a field without its doc is a defect here).
 """
 from __future__ import annotations
 
@@ -270,7 +273,7 @@ class TrainerConfig:
     """Recompute decoder layers in backward."""
     max_nonfinite_steps: Annotated[int, at_least(1)] = 3
     """Consecutive steps with a non-finite loss or gradient (their optimiser steps skipped) that stop
-    the run, exit status 3 (docs/hardening.md)."""
+    the run, exit status 3 (docs/guide/hardening.md)."""
 
     def __post_init__(self) -> None:
         one_of("trainer.param_dtype", self.param_dtype, TRAIN_DTYPES)
@@ -442,9 +445,9 @@ class TrainConfig:
         if self.audit.every:
             kernel_rules += [(f"audit.rules[{i}]", r) for i, r in enumerate(self.audit.rules)
                              if "kernel" in MASK_RULES[r].needs]
-        if kernel_rules and self.rollout.sampling_mask is not None:  # c_t is the full softmax's (train_step)
+        if kernel_rules and self.rollout.sampling_mask is not None:  # h_t is the full softmax's (train_step)
             where, rule = kernel_rules[0]
-            raise ConfigError(f"rollout.keep_sampling_mask: {where} {rule!r} computes c_t = ⟨Wᵀg, Wᵀv⟩ on the full "
+            raise ConfigError(f"rollout.keep_sampling_mask: {where} {rule!r} computes h_t = ⟨Wᵀg, Wᵀv⟩ on the full "
                               "softmax, not on the engine's sampling set; set rollout.keep_sampling_mask: false "
                               "or sample without a top-k/top-p/min-p cut")
         if self.audit.every:  # an index past the step's mini-batches audits nothing

@@ -16,6 +16,9 @@ Non-finite steps: an optimiser step whose loss or gradient is NaN or ±inf is sk
 ``summary.json``. After ``trainer.max_nonfinite_steps`` (default 3) consecutive such steps the run stops with one
 line naming the step and the quantity. ``pdm-lab train`` then exits with status 3 (a result, as
 ``sweep``'s non-finite runs), never a traceback.
+
+One module of ~420 lines on purpose: the loop reads top to bottom as CleanRL's do; its pieces are
+the steps of one iteration, each a short named function, and splitting them apart would hide the order.
 """
 from __future__ import annotations
 

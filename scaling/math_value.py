@@ -12,6 +12,8 @@ as a safety net.
 
 This module imports only the standard library and sympy: the worker runs it by path, without
 ``pdm_lab`` (and torch) in its memory.
+One module of ~440 lines on purpose: the worker runs this one file by path, so the parser, the
+grader and the serve loop cannot be split into package modules it would then have to import.
 """
 from __future__ import annotations
 

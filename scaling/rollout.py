@@ -1,6 +1,6 @@
 """The behaviour policy μ: a vLLM offline engine inside each rank, and its output as tensors.
 
-Layout (``docs/cpu-notes.md``): every torchrun rank builds its own in-process engine
+Layout (``docs/guide/cpu-notes.md``): every torchrun rank builds its own in-process engine
 with ``distributed_executor_backend="external_launcher"``; ranks are split into data-parallel
 groups of ``rollout.tensor_parallel_size``. A data-parallel group rolls out its own prompts; the
 ranks of one tensor-parallel group run the same requests in lock-step and get identical outputs.

@@ -3,7 +3,7 @@
 The model is ``Qwen3ForCausalLM(Qwen3Config(...))`` with head_dim 32 (vLLM's CPU attention has no
 head_dim 16 kernel) and an ``lm_head`` tied to the embedding or not (``tie_word_embeddings``;
 either way the weight sync must push ``lm_head.weight``: the trap of
-``docs/cpu-notes.md``). The tokenizer is a byte-level BPE trained in memory on the
+``docs/guide/cpu-notes.md``). The tokenizer is a byte-level BPE trained in memory on the
 task's text, with digits split one per token, wrapped in ``PreTrainedTokenizerFast`` with a
 Qwen-style chat template.
 

@@ -11,7 +11,7 @@ rank are gathered once (``pdm_lab.aggregation.DPInfo.all_reduce``) and handed to
 whose aggregate is then each micro-batch's share of the whole mini-batch's (DAPO's token-mean is
 over every token of the batch; FSDP averages the ranks' gradients).
 
-The kernel-aware rule (``pdm_kernel``, SPEC §6d): its c_t = ⟨Wᵀg, Wᵀv⟩ is computed in the same
+The kernel-aware rule (``pdm_kernel``, SPEC §6d): its h_t = ⟨Wᵀg, Wᵀv⟩ is computed in the same
 forward as π (``PolicyModel.forward(on_head=...)``: the hidden states of the response tokens and
 lm_head's weight as the forward holds it, so under FSDP2 the gathered weight and no extra
 collective), without gradient, by the core's ``kernel_direction.kernel_scores`` on the processed
@@ -209,7 +209,7 @@ def policy_and_support(policy, mb: MicroBatch, support: Support, temperature: fl
     (``sampling_mask.on_sampling_set``; unchanged without a sampling mask) and, with ``kernel``,
     ``pdm_kernel``'s c from the same forward (``micro_batch_policy_kernel``; else None)."""
     if kernel and sampling is not None:
-        raise PDMInputError("pdm_kernel: c_t = ⟨Wᵀg, Wᵀv⟩ is defined on the full softmax, not on the engine's "
+        raise PDMInputError("pdm_kernel: h_t = ⟨Wᵀg, Wᵀv⟩ is defined on the full softmax, not on the engine's "
                             "sampling set (set rollout.keep_sampling_mask: false, or no top-k/top-p/min-p cut)")
     pi, c = _policy_rows(policy, mb, support, temperature, chunk_tokens, sampling, kernel=kernel)
     return pi, on_sampling_set(support, pi.tail_count), c

@@ -8,7 +8,7 @@ Names: the stream carries every name the Hugging Face model answers to, aliases 
 (``named_parameters(remove_duplicate=False)``). With tied embeddings (Qwen3 0.6B/1.7B/4B)
 ``lm_head.weight`` is an alias of ``model.embed_tokens.weight`` that plain ``named_parameters()``
 drops; vLLM on CPU packs the output layer separately and repacks it only when ``lm_head.weight``
-arrives, so without it the engine keeps stale logits (``docs/cpu-notes.md``).
+arrives, so without it the engine keeps stale logits (``docs/guide/cpu-notes.md``).
 
 Load: on CPU the engine built by ``rollout.make_engine`` with ``rollout.inplace_sync`` computes
 its linear layers from unpacked weights, so a sync is the model's own ``load_weights`` copying
@@ -135,7 +135,7 @@ def check_names(model: nn.Module, prefix: str) -> list[str]:
     names = [n for group, _ in parameter_aliases(model, prefix) for n in group]
     if hasattr(getattr(model, "lm", model), "lm_head") and "lm_head.weight" not in names:
         raise SyncError("weight sync would not include lm_head.weight: vLLM on CPU would keep "
-                        "stale logits (see docs/cpu-notes.md)")
+                        "stale logits (see docs/guide/cpu-notes.md)")
     return names
 
 

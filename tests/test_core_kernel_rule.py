@@ -1,4 +1,4 @@
-"""The kernel-aware mask ``pdm_kernel`` (SPEC §6d): c_t = ⟨Wᵀg, Wᵀv⟩ against autograd in float64
+"""The kernel-aware mask ``pdm_kernel`` (SPEC §6d): h_t = ⟨Wᵀg, Wᵀv⟩ against autograd in float64
 (planted formulas fail), ⟨g, v⟩ = Ḋ_topk, the rule's drops on crafted rows (λ = 0 is pdm_topk,
 a large λ follows the sign of Â·c), its config, the toys end to end and the loop's config."""
 import dataclasses

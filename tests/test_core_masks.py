@@ -133,8 +133,8 @@ def test_every_builtin_record_is_as_spec_states_it():
 
 
 def test_the_rules_example_registers_a_topk_rule(registry):
-    """docs/rules.md's own example registers, with the record it declares."""
-    guide = (Path(__file__).resolve().parents[1] / "docs" / "rules.md").read_text(encoding="utf-8")
+    """docs/guide/rules.md's own example registers, with the record it declares."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "rules.md").read_text(encoding="utf-8")
     start = guide.index("from pdm_lab.masks import")
     exec(guide[start:guide.index("```", start)], {})
     assert _facts(MASK_RULES["my_rule"]) == ("topk_kl", "topk", "topk", True, True, "token", (), False)

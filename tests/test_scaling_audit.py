@@ -323,3 +323,31 @@ def test_two_rank_train_with_audit_runs_and_snapshots_every_shard(tmp_path):
     first, second = (r["host_snapshot_bytes"] for r in lines)
     assert second >= 3 * first
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-2:] == [1, 2]
+
+
+@dataclasses.dataclass(frozen=True)
+class _CutRollout:
+    temperature: float = 1.0
+    sampling_mask: object = None
+
+
+def test_the_audits_d_is_the_losss_d_under_the_engines_sampling_cut(setup):
+    """With the sampling mask kept, the loss thresholds D on π over the engine's sampling set
+    (SPEC §1); the audit's measured D is the same quantity, not the full softmax's."""
+    from pdm_lab.sampling_mask import SamplingMask
+
+    lm, batch = setup
+    cut = SamplingMask(top_p=0.9)
+    cfg = dataclasses.replace(_cfg(), rollout=_CutRollout(sampling_mask=cut))
+    policy = PolicyModel(copy.deepcopy(lm))
+    seen = []
+    run = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, mini_batches=1))
+    train_step.update_policy(policy, torch.optim.SGD(policy.parameters(), lr=0.0), batch, ADV, cfg=run,
+                             vocab_size=VOCAB, pad_id=0, lr=0.0,
+                             on_loss=lambda _m, _i, out: seen.append(out))
+    micros = audit_step._micro_batches(batch, ADV, 0, cfg.trainer.micro_batch_size, None)
+    loss_d = torch.cat([o.stats.topk_kl[mb.response_mask.reshape(-1)].double() for o, mb in zip(seen, micros)])
+    audit_d = torch.cat([audit_step.measured_divergence(policy, mb, cfg.mask, VOCAB, 1.0, None, cut) for mb in micros])
+    full_d = torch.cat([audit_step.measured_divergence(policy, mb, cfg.mask, VOCAB, 1.0, None) for mb in micros])
+    assert torch.allclose(audit_d, loss_d, rtol=1e-4, atol=1e-6), (audit_d - loss_d).abs().max()
+    assert (full_d - loss_d).abs().max() > 1e-3  # the full softmax's D is another quantity: the check can fail

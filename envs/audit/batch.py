@@ -44,6 +44,11 @@ def audit_batch(cfg: AuditConfig, seed: int, mismatch: str | None = None, *, ste
     With ``stale:s`` in the mismatch, the rollout round has s batches: the policy first takes
     s − 1 plain GRPO steps (rule ``none``, Adam) on the other s − 1, then the audit runs on the
     last one — the off-policy mini-batch of DPPO-style training.
+
+    With ``mini_batches`` M > 1 (SPEC §6b/§6c, ``stale_mini_batch``): the one batch drawn is split
+    into M mini-batches of whole groups, the policy takes j real plain GRPO steps on mini-batches
+    0 … j − 1 of it, and the returned batch and advantages are mini-batch j's (j =
+    ``cfg.audited_mini_batch``). M = 1 returns the whole batch, as before.
     """
     problem = policies.problem if policies is not None else make_problem(cfg.problem)
     policies = policies or TrainedPolicies(cfg, problem)
@@ -62,7 +67,62 @@ def audit_batch(cfg: AuditConfig, seed: int, mismatch: str | None = None, *, ste
             opt = make_optimizer(plain.optimizer, policy.parameters(), plain.lr)
             for old in earlier:
                 plain_step(plain, policy, opt, old)
-    return problem, policy, batch, group_advantages(batch.rewards, batch.groups)
+        advantages = group_advantages(batch.rewards, batch.groups)
+        if cfg.mini_batches > 1:
+            batch, advantages = stale_mini_batch(cfg, policy, batch, advantages)
+    return problem, policy, batch, advantages
+
+
+def mini_batch_rows(sequences: int, mini_batches: int) -> list[Tensor]:
+    """The rows of each of M mini-batches: the scaling loop's own split (``train_step.split``: M
+    contiguous equal chunks; a batch's groups are contiguous, so with M dividing the groups each
+    chunk holds whole groups, as ``envs.train.grpo`` needs for its advantages)."""
+    from pdm_lab.scaling.train_step import split  # the loop's function (light: no model is loaded)
+
+    return [torch.tensor(rows, dtype=torch.int64) for rows in split(sequences, mini_batches)]
+
+
+def _optimizer_steps(opt) -> int:
+    """Steps the optimiser has taken, from its own state (Adam/AdamW count per parameter)."""
+    steps = [int(state["step"]) for state in opt.state.values() if "step" in state]
+    return max(steps, default=0)
+
+
+def stale_mini_batch(cfg: AuditConfig, policy: nn.Module, batch, advantages: Tensor):
+    """Mini-batch j of `batch` and its advantages, after `policy` took j optimiser steps on
+    mini-batches 0 … j − 1 of the same batch (in place; SPEC §6b's staleness, as the loop meets it).
+
+    The steps are plain GRPO (rule ``none``, ``points.plain_step``: the training loss, lr
+    ``train_lr``) with the training optimiser: with ``optimizer = adamw`` the AdamW the trained
+    point carries (``policy.trained_optimizer_state``, the run's momentum and preconditioner at the
+    audit point), whose state after the j steps then replaces ``trained_optimizer_state`` so the
+    audited step carries it, as the loop's audit at j does; otherwise (sgd/adam audits, trained
+    with Adam whose state a point does not keep) a fresh Adam, exactly as the ``stale:s`` path.
+    Records ``policy.audit_mini_batch``: j, M and the optimiser steps actually taken (read from the
+    optimiser's own step count)."""
+    j, m = cfg.audited_mini_batch, cfg.mini_batches
+    rows = mini_batch_rows(batch.num_sequences, m)
+    groups = [set(batch.groups[r].tolist()) for r in rows]
+    if any(a & b for i, a in enumerate(groups) for b in groups[i + 1:]):  # never: groups are contiguous
+        raise ValueError("mini-batches split a group: advantages would differ from the loop's")
+    plain = plain_config(cfg)
+    opt = make_optimizer(plain.optimizer, policy.parameters(), plain.lr)
+    memory = getattr(policy, "trained_optimizer_state", None)
+    carried = isinstance(opt, torch.optim.AdamW) and memory is not None
+    if carried:
+        for p, state in zip(policy.parameters(), memory):
+            if state:
+                opt.state[p] = {k: v.detach().clone() for k, v in state.items()}
+    start = _optimizer_steps(opt)
+    for i in range(j):
+        plain_step(plain, policy, opt, batch.select(rows[i]))
+    if carried:  # the state the loop's audit at j carries (points._save_point's layout)
+        policy.trained_optimizer_state = [{k: v.detach().clone() for k, v in opt.state[p].items()}
+                                          if p in opt.state else {} for p in policy.parameters()]
+    origin = "the trained point's state" if carried else "fresh"
+    policy.audit_mini_batch = {"mini_batch": j, "mini_batches": m, "optimizer_steps": _optimizer_steps(opt) - start,
+                               "optimizer": f"{plain.optimizer} ({origin})"}
+    return batch.select(rows[j]), advantages[rows[j]]
 
 
 def float64_tokens(batch, advantages: Tensor, mask: MaskConfig) -> TokenBatch:

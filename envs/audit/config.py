@@ -7,7 +7,7 @@ the effective per-token step.
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 
@@ -83,7 +83,7 @@ class AuditConfig:
     engine rounding is applied on top, as before). ``float64``: the trained point, and so every
     count the audit reports, is the same on every CPU path and thread count (float32 kernels differ
     in their last bits between instruction sets, and training amplifies that into another policy;
-    docs/reproducibility.md has the measurement); ``float32``: faster, machine-dependent."""
+    docs/findings/reproducibility.md has the measurement); ``float32``: faster, machine-dependent."""
     context_features: Annotated[int, at_least(0)] = 0
     """neural policy: hashed context features that overlap across contexts (0: none)."""
     init_scale: Annotated[float, non_negative] = 0.01
@@ -118,6 +118,16 @@ class AuditConfig:
     probe_tokens: Annotated[int, at_least(0)] = 0
     """per seed, the outside tokens the own-update probe and the step decomposition read (SPEC §6d:
     every disagreement token first, then a sample); 0: no probe."""
+    mini_batches: Annotated[int, at_least(1)] = 1
+    """M (SPEC §6b, §6c): the audited rollout batch of ``sequences`` is trained over M mini-batches
+    of whole groups (contiguous equal chunks, the scaling loop's ``train_step.split``), so
+    mini-batch j meets π after j optimiser steps on the same rollouts. 1: the whole batch, no
+    staleness (today's audit). Must divide the batch's groups (``sequences / group_size``)."""
+    mini_batch: Any = "last"  # int | str: checked in __post_init__ (the config's union check is numeric-only)
+    """the audited mini-batch j < M: ``first`` (j = 0: the numerics alone), ``last`` (j = M − 1, the
+    loop's default) or an integer. The policy first takes j plain GRPO steps on mini-batches
+    0 … j − 1 of the drawn batch (``batch.audit_batch``), then the audit runs on mini-batch j's
+    tokens."""
 
     def __post_init__(self) -> None:
         if len(self.rules) != 2:
@@ -139,8 +149,19 @@ class AuditConfig:
         if not self.audit_at or any(s < 0 for s in self.audit_at) or list(self.audit_at) != sorted(set(self.audit_at)):
             raise ConfigError(f"audit_at: training steps ≥ 0 in increasing order, got {list(self.audit_at)}")
         one_of("policy", self.policy, POLICY_KINDS)
+        self.audited_mini_batch  # noqa: B018 — validates mini_batch against mini_batches
+        groups = self.sequences // self.group_size
+        if groups % self.mini_batches:
+            raise ConfigError(f"mini_batches: {self.mini_batches} does not split the batch's {groups} groups "
+                              f"(sequences / group_size = {self.sequences} / {self.group_size}) into whole groups")
+        if self.mini_batches > 1:
+            for name in ("mismatch", "stress_mismatch"):
+                value = getattr(self, name)
+                if value and Mismatch.parse(value).stale_steps > 1:
+                    raise ConfigError(f"mini_batches: {self.mini_batches} mini-batches already make the audited "
+                                      f"batch stale; {name} {value!r} adds stale:s batches on top (use one of them)")
         kernel_rules = [r for r in self.all_rules if "kernel" in self.mask(r).rule_record.needs]
-        if kernel_rules and self.policy == "tabular":  # pdm_kernel's c_t needs the unembedding W
+        if kernel_rules and self.policy == "tabular":  # pdm_kernel's h_t needs the unembedding W
             raise ConfigError(f"rules: {kernel_rules[0]!r} needs the policy's unembedding W, which policy: tabular "
                               "has none of; use policy neural or transformer")
         if self.context_features and self.policy == "neural" and self.problem.kind != "token_mdp":
@@ -157,6 +178,21 @@ class AuditConfig:
     def scales(self) -> tuple[float, ...]:
         """The audited step sizes as multiples of ``lr``: 1 first, then ``step_scales``."""
         return (1.0, *dict.fromkeys(float(s) for s in self.step_scales if float(s) != 1.0))
+
+    @property
+    def audited_mini_batch(self) -> int:
+        """j, the audited mini-batch index (``mini_batch`` resolved against ``mini_batches``), or a
+        ``ConfigError`` naming ``mini_batch``."""
+        choice, m = self.mini_batch, self.mini_batches
+        if isinstance(choice, str) and choice in ("first", "last"):
+            return 0 if choice == "first" else m - 1
+        if isinstance(choice, bool) or not isinstance(choice, int):
+            extra = " (the toy audits one j per audit: run one audit per j)" if choice == "all" else ""
+            raise ConfigError(f"mini_batch: first, last or a mini-batch index 0 … {m - 1}, got {choice!r}{extra}")
+        if not 0 <= choice < m:
+            raise ConfigError(f"mini_batch: {choice} is not one of the batch's {m} mini-batches (0 … {m - 1}; "
+                              "set mini_batches)")
+        return choice
 
     @property
     def main_step(self) -> int:

@@ -154,7 +154,7 @@ def cost_lines(doc: dict) -> list[str]:
         precision = doc.get("config", {}).get("train_precision", "float32")
         same = ("the trained point is float64: counts agree across CPU paths and thread counts"
                 if precision == "float64" else
-                "the trained point is float32: its counts move with the CPU path (docs/reproducibility.md)")
+                "the trained point is float32: its counts move with the CPU path (docs/findings/reproducibility.md)")
         lines += [f"{machine_line(doc['machine'])}; {same}.", ""]
     return lines
 

@@ -121,7 +121,10 @@ def audit_seed(cfg: AuditConfig, seed: int, *, k: int | None = None, mismatch: s
                contexts: tuple[str, ...] | None = None, keep_d: list | None = None, step: int | None = None,
                policies: TrainedPolicies | None = None) -> dict:
     """The audit on one seed's batch at training step `step` (default: the main study's), for
-    each contexts setting; appends the regime inputs to `keep_d` if given."""
+    each contexts setting; appends the regime inputs to `keep_d` if given. With ``mini_batches``
+    M > 1 the batch is mini-batch j of the seed's rollout batch (``batch.stale_mini_batch``) and
+    the record carries ``mini_batch``, ``mini_batches`` and ``optimizer_steps_before`` (the steps
+    π took on that batch's earlier mini-batches)."""
     step = cfg.main_step if step is None else step
     _, policy, batch, adv = audit_batch(cfg, seed, mismatch, step=step, policies=policies)
     ref_mask = cfg.mask(cfg.rules[0], k)
@@ -139,6 +142,10 @@ def audit_seed(cfg: AuditConfig, seed: int, *, k: int | None = None, mismatch: s
               "zero_advantage": int((resp & ~considered).sum()),
               "outside": int(focus.numel()), "mu_tail": _quantiles(stats.mu_tail[resp]),
               "regime": regime_of(inputs), "contexts": {}}
+    # SPEC §6b/§6c: the audited mini-batch j of M, and the optimiser steps π took on 0 … j − 1
+    stale = getattr(policy, "audit_mini_batch", None) or {"mini_batch": 0, "mini_batches": 1, "optimizer_steps": 0}
+    record.update(mini_batch=stale["mini_batch"], mini_batches=stale["mini_batches"],
+                  optimizer_steps_before=stale["optimizer_steps"])
     for i, ctx in enumerate(contexts or cfg.contexts):
         model, tok, foc = audit_model(policy, tokens, ctx, focus)
         rec = study(cfg, model, tok, foc, k, flips=ctx == "shared" and i == 0, probe=ctx == "shared" and i == 0,

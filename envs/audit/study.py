@@ -182,6 +182,13 @@ def run_audit(cfg: AuditConfig, *, progress_bar: bool = False, seed_dir=None) ->
         "paper_side_by_side": paper_side_by_side(main["pairs"][0]),
         "trajectory": trajectory,
         "regime": regime,
+        # SPEC §6b/§6c: the audited mini-batch j of the M the rollout batch is trained over, and its
+        # regime (``regime`` above is that mini-batch's: the audit reads only its tokens)
+        "mini_batches": cfg.mini_batches,
+        "mini_batch": cfg.audited_mini_batch,
+        "mini_batch_regime": {"mini_batch": cfg.audited_mini_batch, "mini_batches": cfg.mini_batches,
+                              "optimizer_steps_before": [s.get("optimizer_steps_before", 0) for s in per_seed],
+                              "regime": regime},
         "per_seed": per_seed,
         "studies": studies,
         "outside_mean": sum(s["outside"] for s in per_seed) / max(1, len(per_seed)),

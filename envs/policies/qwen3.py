@@ -9,7 +9,7 @@ Qwen3 0.6B–4B) or an ``lm_head`` of its own (``qwen3_untied``), no bias. The s
 at ``hidden`` 64: 2 layers, 4 query and 2 key/value heads of width hidden/2, MLP width 2·hidden.
 
 With the loop's architecture in the toy, ``transfer`` can tell whether the architecture or the
-training sets the loop's kernel (measured: the training history; ``docs/faithful-toy.md``).
+training sets the loop's kernel (measured: the training history; ``docs/findings/faithful-toy.md``).
 ``sft_steps`` gives the toy a training history (``envs.audit.sft``).
 
 The engine's hooks: ``activation_round`` rounds every linear layer's input (W8A8 for

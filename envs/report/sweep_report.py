@@ -220,12 +220,14 @@ def write_report(path: Path, *, title: str, intro: list[str], rows: list[dict] |
     the details; ``regime``: the calibration table of each mismatch setting; ``stress_audit``: an
     audit in a stress setting where the rules separate."""
     from pdm_lab.envs.report.summary_table import summary_lines
+    from pdm_lab.lab.machine import machine_line
 
     root = path.parent
     lines = [f"# {title}", ""]
     if rows is not None or audit is not None:
         lines += summary_lines(rows, regime or {}, audit, stress_audit)
-    lines += intro + [""]
+    lines += intro + ["", f"Measured on {machine_line()}; the sweep's runs train in float32, so their rewards move with "
+                      "the machine (docs/findings/reproducibility.md): compare the intervals, not the digits.", ""]
     if regime:
         lines += regime_section(regime, title="## Regime (SPEC §6b calibration table)")
         if rows:

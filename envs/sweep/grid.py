@@ -85,7 +85,7 @@ class SweepConfig:
                 check(value)
             except ValueError as err:  # named by the sweep's field, not the cell's
                 raise ConfigError(f"{name}: {err}") from None
-        for rule in self.rules:  # pdm_kernel's c_t needs the policy's unembedding W
+        for rule in self.rules:  # pdm_kernel's h_t needs the policy's unembedding W
             if "kernel" in get_mask_rule(rule).needs and self.base.policy == "tabular":
                 raise ConfigError(f"rules: {rule!r} needs the policy's unembedding W, which base.policy: tabular has "
                                   "none of; use base.policy=neural or transformer")

@@ -104,7 +104,7 @@ def masked_loss(policy, tokens: TokenBatch, cfg: MaskConfig, *, full: bool | Non
     default only when the rule needs them, since they cost two extra [N, n] passes. A rule that
     needs ``coupled`` (``pdm_coupled``) gets c_t from ``envs/train/coupled_jvp.py``, preconditioned by
     ``optimizer``'s state (None: the identity). A rule that needs ``kernel`` (``pdm_kernel``) gets
-    c_t = ⟨Wᵀg, Wᵀv⟩ from the policy's unembedding (``policy_unembedding``) and the core's
+    h_t = ⟨Wᵀg, Wᵀv⟩ from the policy's unembedding (``policy_unembedding``) and the core's
     ``kernel_scores``.
     """
     coupled = kernel = None

@@ -63,14 +63,48 @@ def _nan(x):
 AUDIT_FIELDS = {"step": "int", "rules": "list", "delta": "number", "k": "int"}
 
 
+def line_mini_batch(rec: dict) -> tuple[int, int]:
+    """(j, M) of an audit line (SPEC §6c): the audited mini-batch and the step's mini-batches; a
+    line without ``mini_batch`` (written before the loop audited a stated j) is j = 0 of M = 1."""
+    j = rec.get("mini_batch")
+    return (0, 1) if j is None else (int(j), int(rec.get("mini_batches") or 1))
+
+
+def mini_batch_provenance(lines: list[dict]) -> dict:
+    """Which mini-batches the lines were audited at: ``mini_batch`` (the sorted j's),
+    ``mini_batches`` (the sorted M's), ``lines_per_mini_batch`` and ``all`` — True when they come
+    from ``audit.mini_batch: all`` runs (M > 1 and every audited step, per seed, holds one line for
+    each j = 0 … M − 1)."""
+    per_step: dict[tuple, set] = {}
+    counts: dict[int, int] = {}
+    ms = set()
+    for rec in lines:
+        j, m = line_mini_batch(rec)
+        ms.add(m)
+        counts[j] = counts.get(j, 0) + 1
+        per_step.setdefault((rec.get("seed"), rec.get("step")), set()).add(j)
+    full = len(ms) == 1 and min(ms) > 1 and all(js == set(range(min(ms))) for js in per_step.values())
+    return {"mini_batch": sorted(counts), "mini_batches": sorted(ms), "all": bool(lines) and full,
+            "lines_per_mini_batch": {str(j): counts[j] for j in sorted(counts)}}
+
+
+def toy_mini_batch(doc: dict) -> tuple[int, int]:
+    """(j, M) a toy ``audit.json`` was audited at; one written before the toy took ``mini_batches``
+    is j = 0 of M = 1 (the whole fresh batch)."""
+    if "mini_batch" in doc:
+        return int(doc["mini_batch"]), int(doc.get("mini_batches", 1))
+    return 0, 1
+
+
 def read_audit_lines(run_dir: Path) -> list[dict]:
-    """The run's audited steps (the last line of each step: a step redone after a resume is appended again)."""
+    """The run's audited steps (the last line of each step and audited mini-batch: a step redone
+    after a resume is appended again; an ``audit.mini_batch: all`` run writes one line per j)."""
     path = Path(run_dir) / "audit.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no audit lines (train with audit.every=N)")
-    by_step: dict[int, dict] = {}
+    by_step: dict[tuple[int, int], dict] = {}
     for _, rec in read_jsonl(path, fields=AUDIT_FIELDS):
-        by_step[rec["step"]] = rec
+        by_step[(rec["step"], line_mini_batch(rec)[0])] = rec
     if not by_step:
         raise ResultsError(f"{path}: empty")
     lines = [by_step[s] for s in sorted(by_step)]
@@ -224,6 +258,8 @@ def markdown(doc: dict) -> str:
     lines = [f"# Transfer: toy audit vs the loop's own audit ({doc['run_dir_name']})", "",
              f"Rules A = `{a}`, B = `{b}`; δ = {doc['delta']}, K = {doc['k']}; ΔD of the top-K KL on both sides; "
              f"tolerance: loop {doc['loop_tolerance']}, toy {doc['toy_tolerance']}.",
+             *([f"Audited mini-batch (SPEC §6b/§6c): loop j = {mb['run']} of M = {mb['run_mini_batches']}, "
+                f"toy j = {mb['toy']} of M = {mb['toy_mini_batches']}."] if (mb := doc.get("mini_batch")) else []),
              (f"Toy: the given audit `{doc['toy_audit']}` at mismatch `{doc['toy_mismatch']}` (not calibrated; the "
               f"run's outside fraction is {100 * doc['target_outside_fraction']:.3g}%, from {doc['target_source']})."
               if doc.get("toy_audit") else
@@ -277,16 +313,48 @@ def _given_toy_audit(path: Path, rules: list[str], delta: float, k: int) -> dict
     return doc
 
 
+def select_mini_batch(lines: list[dict], mini_batch: int | None, toy_j: int | None = None) -> tuple[list[dict], int, int]:
+    """The run's lines at one audited mini-batch j, with (j, M): like with like (SPEC §6b/§6c).
+
+    ``mini_batch``: the j asked for; else the lines' one j; else, for lines from several j (an
+    ``audit.mini_batch: all`` run), ``toy_j`` (the given toy's); else a ``ConfigError`` naming
+    ``mini_batch``. Lines of runs trained over different M are refused (``mini_batches``)."""
+    from pdm_lab.config import ConfigError
+
+    prov = mini_batch_provenance(lines)
+    if len(prov["mini_batches"]) > 1:
+        raise ConfigError(f"mini_batches: the runs' audit lines come from steps split into {prov['mini_batches']} "
+                          "mini-batches; pool only runs of one trainer.mini_batches")
+    m = prov["mini_batches"][0]
+    want = mini_batch if mini_batch is not None else (
+        prov["mini_batch"][0] if len(prov["mini_batch"]) == 1 else toy_j)
+    if want is None:
+        raise ConfigError(f"mini_batch: the run's audit lines come from mini-batches {prov['mini_batch']} of {m} "
+                          "(audit.mini_batch: all); the toy audits one j: choose one with mini_batch=j")
+    chosen = [rec for rec in lines if line_mini_batch(rec)[0] == want]
+    if not chosen:
+        raise ConfigError(f"mini_batch: the run audited mini-batches {prov['mini_batch']} of {m}, not {want}")
+    return chosen, want, m
+
+
 def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int | None = None,
                  mismatch: str | None = None, overrides: list[str] = (), n_boot: int = 2000,
-                 search_iters: int = 12, toy_audit: Path | None = None, log=print) -> dict:
+                 search_iters: int = 12, toy_audit: Path | None = None, log=print,
+                 mini_batch: int | None = None) -> dict:
     """Steps 1–4 of the module docstring; writes ``transfer.json`` and ``transfer.md`` into ``out``.
 
     ``run_dir``: one run directory, or a list of them (seeds of one setting): their audited steps
     are pooled as audit points and their mismatch samples concatenated. ``base``: the toy's
     ``AuditConfig`` before the run's rules, δ and K are laid over it (``preset_name`` labels it).
     ``toy_audit``: an existing toy ``audit.json`` to compare instead of running one (its rules, δ
-    and K must be the run's; no calibration): one toy against many runs."""
+    and K must be the run's; no calibration): one toy against many runs.
+
+    Like with like (SPEC §6b/§6c): the run's lines are those of one audited mini-batch j of M
+    (``select_mini_batch``; a line without ``mini_batch`` is j = 0 of M = 1; ``mini_batch`` picks j
+    from an ``audit.mini_batch: all`` run, whose j otherwise comes from the given toy). The toy
+    run here is audited at the run's M and j; a given ``toy_audit`` audited at another j is
+    refused (a ``ConfigError`` naming ``mini_batch``)."""
+    from pdm_lab.config import ConfigError
     from pdm_lab.config import from_dict, to_dict
     from pdm_lab.lab.yaml_config import apply_overrides
 
@@ -297,6 +365,14 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
     start = time.perf_counter()
     run_dirs = [Path(r) for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
     lines = read_runs_lines(run_dirs)
+    given_doc = None
+    if toy_audit is not None:
+        try:
+            given_doc = json.loads(Path(toy_audit).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ResultsError(f"--toy-audit {toy_audit}: not a toy audit.json ({err})") from None
+    toy_j = toy_mini_batch(given_doc)[0] if isinstance(given_doc, dict) else None
+    lines, run_j, run_m = select_mini_batch(lines, mini_batch, toy_j)
     out.mkdir(parents=True, exist_ok=True)
     rules, delta, k = lines[0]["rules"], float(lines[0]["delta"]), int(lines[0]["k"])
     a, b = rules[0], rules[1]
@@ -313,13 +389,19 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
     doc = apply_overrides(to_dict(base), list(overrides))
     # the run's rules, δ and K; the main study only (no K sweep, stress or trajectory study)
     changes = dict(rules=[a, b], extra_rules=[r for r in rules[2:]], delta=delta, k=k, contexts=["shared"],
-                   k_sweep=[], stress_mismatch="", trajectory_seeds=0, n_boot=n_boot)
+                   k_sweep=[], stress_mismatch="", trajectory_seeds=0, n_boot=n_boot,
+                   mini_batches=run_m, mini_batch=run_j)  # the run's audited mini-batch j of M
     doc.update({key: value for key, value in changes.items() if key in doc})
     if seeds is not None:
         doc["seeds"] = seeds
     cfg: AuditConfig = from_dict(AuditConfig, doc)
     if toy_audit is not None:
         toy_doc = _given_toy_audit(Path(toy_audit), [a, b], delta, k)
+        toy_j, toy_m = toy_mini_batch(toy_doc)
+        if toy_j != run_j:
+            raise ConfigError(f"mini_batch: --toy-audit {Path(toy_audit).name} was audited at mini-batch {toy_j} of "
+                              f"{toy_m}, the run's lines at mini-batch {run_j} of {run_m}; compare like with like "
+                              f"(audit the toy with mini_batches={run_m} mini_batch={run_j})")
         cfg = from_dict(AuditConfig, toy_doc["config"])
         log(f"[transfer] the toy audit {Path(toy_audit).name}: {cfg.mismatch}, {cfg.seeds} seeds")
     elif mismatch is None:
@@ -341,7 +423,9 @@ def run_transfer(run_dir, out: Path, base, *, preset_name: str = "", seeds: int 
               "target_source": target_source, "audited_outside_fraction": audited,
               "run_regime": run_regime, "toy_regime": toy_doc.get("regime"),
               "loop_tolerance": lines[0].get("tolerance"), "toy_tolerance": cfg.tolerance,
-              "toy_config": to_dict(cfg), "toy": toy, "loop": loop}
+              "toy_config": to_dict(cfg), "toy": toy, "loop": loop,
+              "mini_batch": {"run": run_j, "run_mini_batches": run_m, "toy": toy_mini_batch(toy_doc)[0],
+                             "toy_mini_batches": toy_mini_batch(toy_doc)[1]}}
     faith = faithfulness(toy_statistics(toy_doc, rules), run_statistics(lines, rules))
     verdict_doc = transfer_verdict(toy, loop, faith["faithful"])
     result.update({"faithfulness": faith, "transfer": verdict_doc["outcome"], "transfer_reason": verdict_doc["reason"],

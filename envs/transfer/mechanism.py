@@ -73,8 +73,27 @@ def rule_pairs(rules: list[str], probe: dict | None, scales: dict) -> dict:
     return out
 
 
+def pooled_mini_batches(lines: list[dict]) -> dict:
+    """The mini-batch(es) the pooled lines were audited at (SPEC §6b/§6c; a line without
+    ``mini_batch`` is j = 0 of M = 1), or a ``ConfigError`` naming ``mini_batch`` when they come
+    from different j — unless every line is from an ``audit.mini_batch: all`` run, whose pool over
+    j = 0 … M − 1 is §6b's regime (then ``pooled_over_all`` says so)."""
+    from pdm_lab.config import ConfigError
+
+    from pdm_lab.envs.transfer.compare import mini_batch_provenance
+
+    prov = mini_batch_provenance(lines)
+    if len(prov["mini_batch"]) > 1 and not prov["all"]:
+        raise ConfigError(f"mini_batch: the audit lines come from mini-batches {prov['mini_batch']} "
+                          f"({prov['lines_per_mini_batch']} lines) of M = {prov['mini_batches']}, not from audit.mini_batch: "
+                          "all runs; pool lines audited at one j (or runs with audit.mini_batch: all)")
+    return {**prov, "pooled_over_all": len(prov["mini_batch"]) > 1}
+
+
 def mechanism_doc(lines: list[dict], run_names: list[str]) -> dict:
-    """The pooled statistics of the module docstring (``probe`` None: no line carries a probe)."""
+    """The pooled statistics of the module docstring (``probe`` None: no line carries a probe);
+    ``mini_batches``: the mini-batch(es) they came from (``pooled_mini_batches``)."""
+    mini_batches = pooled_mini_batches(lines)
     rules = list(lines[0]["rules"])
     probes = [ln["probe"] for ln in lines if (ln.get("probe") or {}).get("probe/tokens")]
     decomposition = {}
@@ -85,7 +104,8 @@ def mechanism_doc(lines: list[dict], run_names: list[str]) -> dict:
     probe = pool_probe(probes) if probes else None
     scales = pooled_step_scales([ln.get("step_scales") for ln in lines], rules)
     return {"runs": run_names, "machine": machine_info(), "rules": rules, "delta": lines[0]["delta"], "k": lines[0]["k"],
-            "audited_steps": len(lines), "outside_tokens": sum(int(ln.get("outside") or 0) for ln in lines),
+            "audited_steps": len(lines), "mini_batches": mini_batches,
+            "outside_tokens": sum(int(ln.get("outside") or 0) for ln in lines),
             "probe": _no_data(probe), "decomposition": decomposition, "step_scales": scales,
             "pairs": rule_pairs(rules, probe, scales),
             "kernel_b_over_a": _b_over_a((probe or {}).get("probe/kernel_fit"))}
@@ -119,6 +139,12 @@ def mechanism_markdown(doc: dict) -> str:
            f"outside tokens. ΔD of the top-K KL; intervals 95% (Wilson for rates, paired Wald for "
            "differences, bootstrap for shares, order statistics for medians).", "",
            f"Pooled on {machine_line(doc.get('machine'))} (the runs' own machine is in their run folders).", ""]
+    mb = doc.get("mini_batches")
+    if mb:
+        js = ", ".join(str(j) for j in mb["mini_batch"])
+        out += [(f"Audited mini-batches j = {js} of M = {mb['mini_batches'][0]}, pooled (audit.mini_batch: all runs: "
+                 "SPEC §6b's regime, the pool over j)." if mb["pooled_over_all"] else
+                 f"Audited mini-batch j = {js} of M = {', '.join(str(m) for m in mb['mini_batches'])} (SPEC §6c)."), ""]
     if p is None:
         out += ["No probe keys: the run was audited with `audit.probe_tokens: 0` (or before the probe existed).", ""]
     else:

@@ -77,7 +77,7 @@ def direction_rules(rules: Sequence[str]) -> list[MaskRule]:
 
 
 def _outward(rule: MaskRule, stats, adv: Tensor, cfg: Any = None) -> Tensor | None:
-    if "kernel" in rule.needs:  # pdm_kernel: Â·(Ḋ_topk + λ·c_t), with W given and λ from the mask config
+    if "kernel" in rule.needs:  # pdm_kernel: Â·(Ḋ_topk + λ·h_t), with W given and λ from the mask config
         ratio = getattr(cfg, "kernel_ratio", None)
         return None if stats.kernel is None or ratio is None else kernel_outward(stats, adv, ratio)
     if rule.estimator is None:
@@ -131,7 +131,7 @@ def own_update_probe(support: Support, logits: Tensor, kv: dict[str, Tensor], ad
     stats = token_stats(support, pi, mu_full=None if mu_full_logp is None else mu_full_logp.double(),
                         pi_full=None if mu_full_logp is None else logp_full)
     if unembedding is not None and any("kernel" in rule.needs for rule in direction_rules(rules)):
-        # pdm_kernel's c_t = ⟨Wᵀg, Wᵀv⟩ (kernel_direction), for its predicted sign
+        # pdm_kernel's h_t = ⟨Wᵀg, Wᵀv⟩ (kernel_direction), for its predicted sign
         stats = dataclasses.replace(stats, kernel=kernel_scores(logits, unembedding, support))
     v = own_direction(logits, support.sampled)
     k = kv["K"].double()

@@ -89,12 +89,12 @@ def rollout_from_vllm(completion_ids: list[list[int]], logprobs: list, token_ids
 
 
 def _refuse_kernel_rules(mask: MaskConfig, audit: LiveAuditConfig) -> None:
-    """``pdm_kernel`` needs c_t = ⟨Wᵀg, Wᵀv⟩ from the policy's unembedding, which this trainer's loss
+    """``pdm_kernel`` needs h_t = ⟨Wᵀg, Wᵀv⟩ from the policy's unembedding, which this trainer's loss
     path does not compute (the scaling loop's does: ``scaling/train_step.py``)."""
     named = [("mask.rule", mask.rule)] + [(f"audit.rules[{i}]", r) for i, r in enumerate(audit.rules) if audit.every]
     for where, rule in named:
         if "kernel" in MASK_RULES[rule].needs:
-            raise ConfigError(f"{where}: {rule!r} needs c_t = ⟨Wᵀg, Wᵀv⟩ from the trainer's unembedding, which "
+            raise ConfigError(f"{where}: {rule!r} needs h_t = ⟨Wᵀg, Wᵀv⟩ from the trainer's unembedding, which "
                               "PDMGRPOTrainer does not supply; run it in the scaling loop (pdm-lab train) or the toys")
 
 

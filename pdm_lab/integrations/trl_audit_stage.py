@@ -31,6 +31,7 @@ from torch import Tensor
 from pdm_lab.audit.live import ProbeView, StepOutcome, support_in_float64
 from pdm_lab.audit.central_difference import _world
 from pdm_lab.policy_side import policy_on_support
+from pdm_lab.sampling_mask import engine_kept, on_sampling_set
 from pdm_lab.audit.probe_kernel import InPlaceKernel
 from pdm_lab.audit.probe_record import token_weights
 from pdm_lab.token_stats import token_stats
@@ -48,7 +49,8 @@ def batch_rows(batch: dict, lo: int, hi: int) -> dict:
 @torch.no_grad()
 def measured_divergence(trainer, model, inputs: dict) -> Tensor:
     """[n] top-K KL D(μ‖π) of the completion tokens in float64 (μ's support as the rules build it,
-    then cast; the logits cast before the softmax)."""
+    then cast; the logits cast before the softmax; π over the engine's sampling set when the
+    trainer keeps the sampling mask, as its loss does)."""
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     b, t = completion_ids.shape
     logits = model(input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
@@ -59,7 +61,10 @@ def measured_divergence(trainer, model, inputs: dict) -> Tensor:
         inputs["pdm_topk_ids"].reshape(b * t, -1)[flat], inputs["pdm_topk_logp"].reshape(b * t, -1)[flat],
         completion_ids.reshape(-1)[flat], inputs["pdm_mu_logp"].reshape(-1)[flat],
         vocab_size=logits.size(-1), k=trainer.pdm_mask.k, convention=trainer.pdm_mask.convention))
-    pi = policy_on_support(logits.reshape(b * t, -1)[flat].double(), support.ids, temperature=trainer.temperature)
+    # with the engine's sampling mask kept, π over the sampling set (SPEC §1), as the loss computes it
+    pi = policy_on_support(logits.reshape(b * t, -1)[flat].double(), support.ids, temperature=trainer.temperature,
+                           sampling=trainer.pdm_sampling, keep_on_support=engine_kept(support))
+    support = on_sampling_set(support, pi.tail_count)
     return token_stats(support, pi, binary=False).topk_kl
 
 

@@ -5,6 +5,9 @@ top-K rules (``pdm_*``, ``dppo_topk_*``, ``seq_topk_kl``) need data verl does no
 own verl fork edits the server, the agent loop and the actor; this module makes the same three
 edits as small patches applied at import time, each checked against the installed verl first.
 
+One module of ~560 lines on purpose: it is one versioned patch set — every patched verl target,
+its signature check and its revert are read and reviewed together against one verl release.
+
 Turn it on with one environment variable, K, in every verl process (the ``verl.plugins`` entry
 point imports ``pdm_lab.integrations.verl`` on ``import verl`` in each worker, which calls
 ``apply(K)`` when it is set), and pick a top-K rule as the policy loss::

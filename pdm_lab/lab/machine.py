@@ -2,7 +2,7 @@
 
 Float32 kernels differ in their last bits between CPU instruction-set paths (AVX2, AVX-512, AMX)
 and thread counts, and a toy's float32 training can amplify that into another trained policy
-(docs/reproducibility.md). Two people comparing figures need to know whether theirs should agree:
+(docs/findings/reproducibility.md). Two people comparing figures need to know whether theirs should agree:
 the CPU model, the instruction-set path torch dispatches to (with any override set in the
 environment), torch's thread count, and the torch / vLLM versions.
 """

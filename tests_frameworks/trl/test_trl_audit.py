@@ -79,3 +79,34 @@ def test_audit_writes_audit_jsonl_and_logs_rates_without_changing_training(tiny_
             monkeypatch.setattr(module, "restore_optimizer", lambda *args: None)
     broken = _train(tiny_dir, tmp_path / "broken", audit)
     assert not all(torch.equal(p, q) for p, q in zip(plain.model.parameters(), broken.model.parameters()))
+
+
+def test_idle_audited_step_writes_an_idle_line_and_takes_no_snapshot(tiny_dir, tmp_path, monkeypatch):
+    # no cut, HF generate: μ is the trainer's own model (D ≈ 1e-7 ≪ δ): the audit's idle path, one
+    # forward, no snapshot and no audited step (both planted to raise)
+    from trl import GRPOConfig
+
+    from pdm_lab.audit import live
+    from pdm_lab.integrations.trl import PDMGRPOTrainer
+    from pdm_lab.integrations.trl_audit_stage import TRLAuditStage
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an idle audit took a snapshot or a step")
+
+    monkeypatch.setattr(live.HostSnapshot, "take", refuse)
+    monkeypatch.setattr(TRLAuditStage, "step", refuse)
+    args = GRPOConfig(output_dir=str(tmp_path / "idle"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=10, max_steps=1, learning_rate=5e-2, beta=0.0, temperature=1.0, top_k=0,
+                      top_p=1.0, logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no", bf16=False)
+    trainer = PDMGRPOTrainer(model=str(tiny_dir), reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                             mask=MaskConfig(rule="pdm_topk", delta=0.02, k=K),
+                             audit=LiveAuditConfig(every=1, rules=RULES, probe_tokens=4))
+    trainer.train()
+    lines = [json.loads(x) for x in (tmp_path / "idle" / "audit.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["step"] == 1, lines
+    r = lines[0]
+    assert r["idle"] is True and r["outside"] == 0 and r["host_snapshot_bytes"] == 0 and r["probe"] is None
+    assert 0 < r["tokens"] and r["peak_d"] <= 0.99 * 0.02
+    assert all(p["disagreement"] == 0 for p in r["pairs"].values())
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert "pdm/time/audit_s" in logged and "pdm/audit/outside" in logged
