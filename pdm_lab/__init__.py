@@ -21,7 +21,7 @@ _EXPORTS = {
     "LiveAuditConfig": "pdm_lab.audit.live",
     "ConfigError": "pdm_lab.config",
     "MaskConfig": "pdm_lab.mask_config",
-    "diagnose": "pdm_lab.diagnose",
+    "diagnose": "pdm_lab.diagnosis",
     "DDOT_ESTIMATORS": "pdm_lab.direction",
     "register_ddot_estimator": "pdm_lab.direction",
     "PDMInputError": "pdm_lab.errors",
@@ -35,8 +35,8 @@ _EXPORTS = {
     "policy_on_support": "pdm_lab.policy_side",
     "policy_on_support_reference": "pdm_lab.policy_side",
     "pdm_policy_loss_reference": "pdm_lab.reference_loss",
-    "TokenStats": "pdm_lab.token_stats",
-    "token_stats": "pdm_lab.token_stats",
+    "TokenStats": "pdm_lab.tokenwise",
+    "token_stats": "pdm_lab.tokenwise",
     "Support": "pdm_lab.support",
     "support_from_full": "pdm_lab.support",
     "support_from_slots": "pdm_lab.support",
@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from pdm_lab.aggregation import DPInfo
     from pdm_lab.audit.live import LiveAuditConfig
     from pdm_lab.config import ConfigError
-    from pdm_lab.diagnose import diagnose
+    from pdm_lab.diagnosis import diagnose
     from pdm_lab.direction import DDOT_ESTIMATORS, register_ddot_estimator
     from pdm_lab.errors import PDMInputError
     from pdm_lab.loss import LossOutput, aggregate, pdm_policy_loss
@@ -77,4 +77,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from pdm_lab.policy_side import PolicyOnSupport, policy_on_support, policy_on_support_reference
     from pdm_lab.reference_loss import pdm_policy_loss_reference
     from pdm_lab.support import Support, support_from_full, support_from_slots, support_from_topk
-    from pdm_lab.token_stats import TokenStats, token_stats
+    from pdm_lab.tokenwise import TokenStats, token_stats

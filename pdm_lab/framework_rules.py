@@ -27,7 +27,7 @@ from torch import Tensor
 from pdm_lab.mask_registry import _register_builtin
 
 if TYPE_CHECKING:
-    from pdm_lab.token_stats import TokenStats
+    from pdm_lab.tokenwise import TokenStats
 
 #: Per-token statistics the band rules threshold (SPEC §4b).
 BAND_STATISTICS = ("k1", "k2", "k3", "topk_kl")

@@ -17,7 +17,7 @@ from pdm_lab.loss_checks import check_loss_finite, check_loss_inputs
 from pdm_lab.masks import compute_mask, get_mask_rule, outside_region
 from pdm_lab.metrics import MetricSums, finalize, step_metric_sums
 from pdm_lab.policy_side import PolicyOnSupport
-from pdm_lab.token_stats import TokenStats, token_stats
+from pdm_lab.tokenwise import TokenStats, token_stats
 from pdm_lab.support import Support
 
 

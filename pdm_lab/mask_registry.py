@@ -11,7 +11,7 @@ from typing import Any, Callable
 from pdm_lab.errors import PDMInputError
 from pdm_lab.rule_check import DropFn, RuleRecordError, observe, signature_level
 from pdm_lab.rule_record import FIELDS, check_declaration, check_level, resolve_declaration
-from pdm_lab.token_stats import TokenStats
+from pdm_lab.tokenwise import TokenStats
 
 
 @dataclass(frozen=True)

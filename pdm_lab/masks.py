@@ -30,7 +30,7 @@ from pdm_lab.mask_registry import (MASK_RULES, MaskRule, _register_builtin, chec
                                    register_mask)
 from pdm_lab.rule_check import DropFn, RuleCheckStats, RuleRecordError
 from pdm_lab.rule_record import DIVERGENCES
-from pdm_lab.token_stats import TokenStats
+from pdm_lab.tokenwise import TokenStats
 
 __all__ = ["DIVERGENCES", "DropFn", "MASK_RULES", "MaskRule", "RuleCheckStats", "RuleRecordError", "check_registered",
            "compute_mask", "get_mask_rule", "kernel_outward", "outside_region", "pdm_rule", "predictive_outward", "ratio_outward", "register_mask"]

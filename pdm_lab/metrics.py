@@ -20,7 +20,7 @@ from pdm_lab.rollout_corr import ROLLOUT_CORR_KEYS, rollout_corr_terms
 from pdm_lab.fast.rowops import all_true
 
 if TYPE_CHECKING:
-    from pdm_lab.token_stats import TokenStats
+    from pdm_lab.tokenwise import TokenStats
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 

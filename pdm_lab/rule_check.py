@@ -32,7 +32,7 @@ from torch import Tensor
 from pdm_lab.direction import DDOT_ESTIMATORS
 from pdm_lab.errors import UserInputError
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.token_stats import TokenStats, token_stats
+from pdm_lab.tokenwise import TokenStats, token_stats
 from pdm_lab.support import support_from_full
 
 DropFn = Callable[[TokenStats, Tensor, Any], Tensor]

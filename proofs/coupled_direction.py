@@ -20,7 +20,7 @@ from pdm_lab.mask_config import MaskConfig
 from pdm_lab.coupled import coupled_scores, differentiable_topk_kl
 from pdm_lab.masks import compute_mask
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_full
 
 from .reference import random_logits, softmax, spec_support, topk_kl

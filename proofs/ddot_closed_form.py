@@ -35,7 +35,7 @@ def _topk_kl(inst: Instance) -> mp.mpf:
 
 
 def _stats_rows(check: Checker, sizes, per_size: int, *, delta: float = 0.15):
-    """Random instances (K from 1 to n + 1, both conventions) with pdm_lab.diagnose's outputs."""
+    """Random instances (K from 1 to n + 1, both conventions) with pdm_lab.diagnosis's outputs."""
     insts = [random_instance(check.rng, size, check.rng.randint(1, size + 1),
                              check.rng.choice(("union", "kslot")))
              for size in sizes for _ in range(per_size)]

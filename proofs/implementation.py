@@ -15,7 +15,7 @@ from torch import Tensor
 import pdm_lab
 from pdm_lab import direction, divergence
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_topk
 
 from .reference import Instance
@@ -54,7 +54,7 @@ def log_probs(instances: Sequence[Instance]) -> tuple[Tensor, Tensor, Tensor, Te
 
 
 def diagnose(instances: Sequence[Instance], *, delta: float = 0.15) -> list[dict]:
-    """``pdm_lab.diagnose`` on full distributions, one dict of floats per instance.
+    """``pdm_lab.diagnosis`` on full distributions, one dict of floats per instance.
 
     Keys as ``diagnose`` returns them (``ddot_exact``, ``topk_kl``, ``mask_pdm_topk``, …);
     ``support`` is the tuple of support ids.

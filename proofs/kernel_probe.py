@@ -17,7 +17,7 @@ from mpmath import mp
 from pdm_lab.masks import predictive_outward, ratio_outward
 from pdm_lab.policy_side import PolicyOnSupport, policy_on_support
 from pdm_lab.audit.probe import FunctionalKernel, divergence_grads, own_direction
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_full
 
 from .reference import random_logits, softmax

@@ -44,7 +44,7 @@ from pdm_lab.aggregation import DPInfo
 from pdm_lab.audit.live import ProbeView, StepOutcome, distinct_contexts, run_live_audit, support_in_float64
 from pdm_lab.policy_side import PolicyOnSupport
 from pdm_lab.audit.probe_record import token_weights
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.sampling_mask import engine_kept, on_sampling_set
 from pdm_lab.support import support_from_topk
 

@@ -41,7 +41,7 @@ from torch import Tensor
 from pdm_lab.audit.central_difference import (_all_sum, _local, _world, adam_preconditioner,  # noqa: F401
                                         central_difference, central_difference_eps, choose_eps, global_norm)
 from pdm_lab.coupled import coupled_contribution, differentiable_topk_kl, outside_set
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 
 
 def coupled_for_minibatch(policy, optimizer, micros: list, supports: list, policy_fn: Callable,

@@ -58,6 +58,8 @@ from pdm_lab.policy_side import PolicyOnSupport
 from pdm_lab.sampling_mask import SamplingMask, engine_kept, on_sampling_set
 from pdm_lab.support import Support, support_from_topk
 
+from pdm_lab.lab.minibatches import split  # noqa: F401  (the one split, shared with the toy audit)
+
 from .coupled_fd import coupled_for_minibatch
 from .distributed import all_reduce_max
 from .mismatch_sample import MiniBatchRegime
@@ -255,14 +257,6 @@ def guarded_loss(policy, mb: MicroBatch, mask_cfg, *, vocab_size: int, temperatu
             raise
         return None, (pi.logp * 0.0).sum(), one_line(err, limit=600), t1 - t0
     return out, out.loss, None, t1 - t0
-
-
-def split(n: int, parts: int) -> list[list[int]]:
-    """``range(n)`` in ``parts`` contiguous chunks of equal size (n must divide)."""
-    if n % parts:
-        raise ValueError(f"{n} sequences do not split into {parts} equal parts")
-    size = n // parts
-    return [list(range(i, i + size)) for i in range(0, n, size)]
 
 
 @dataclasses.dataclass(frozen=True)

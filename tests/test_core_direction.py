@@ -5,7 +5,7 @@ from hypothesis import example, given, strategies as st
 from core_helpers import kl_along, mismatched_pair, sample_from
 from pdm_lab.divergence import topk_kl
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_full
 
 EPS = 1e-5

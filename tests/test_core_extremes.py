@@ -20,8 +20,8 @@ from hypothesis import assume, given, settings, strategies as st
 from hypothesis.errors import HypothesisException
 
 from pdm_lab import MaskConfig, pdm_policy_loss, policy_on_support, support_from_full, token_stats
-from pdm_lab import token_stats as stats_module
-from pdm_lab.diagnose import diagnose
+from pdm_lab import tokenwise as stats_module
+from pdm_lab.diagnosis import diagnose
 from pdm_lab.loss import token_surrogate
 from pdm_lab.masks import MASK_RULES, compute_mask
 
@@ -160,7 +160,7 @@ def test_binary_kl_near_one_is_the_true_finite_value():
     mu, pi = torch.log_softmax(mu_z, -1), torch.log_softmax(pi_z, -1)
     assert pi[0, 0].item() == 0.0
     support = support_from_full(mu, torch.tensor([0]), k=3)
-    from pdm_lab.token_stats import token_stats
+    from pdm_lab.tokenwise import token_stats
 
     got = token_stats(support, policy_on_support(pi, support.ids)).binary_kl.item()
     mpmath.mp.dps = 40
@@ -198,7 +198,7 @@ def test_binary_kl_with_a_rest_below_float_underflow_is_rescued(compiled):
     # π's rest 7·e⁻¹¹⁰ ≈ 1.2e-47 is below even float32's denormals: the plain sum of the rest's
     # probabilities (the fast path) underflowed to 0 (KL +inf), so the row is redone by log-sum-exp
     from pdm_lab.numerics import rest_logmass_from_probs
-    from pdm_lab.token_stats import token_stats
+    from pdm_lab.tokenwise import token_stats
 
     n = 8
     mu_z, pi_z = torch.full((1, n), -10.0), torch.full((1, n), -110.0)

@@ -10,7 +10,7 @@ from pdm_lab import MaskConfig, compute_mask, pdm_policy_loss, policy_on_support
 from pdm_lab.config import ConfigError
 from pdm_lab.errors import PDMInputError
 from pdm_lab.masks import MASK_RULES
-from pdm_lab.token_stats import TokenStats
+from pdm_lab.tokenwise import TokenStats
 
 
 def _stats(ratio, d=None):

@@ -43,7 +43,7 @@ def _stats_args(binary: bool):
 
 @pytest.mark.parametrize("binary", [False, True])
 def test_compiled_stats_write_no_row_by_support_buffer(binary):
-    from pdm_lab.token_stats import _token_stats_math
+    from pdm_lab.tokenwise import _token_stats_math
 
     assert buffers_2d(_token_stats_math, *_stats_args(binary)) == []
 

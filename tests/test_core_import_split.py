@@ -46,3 +46,22 @@ def test_the_framework_rules_are_registered_however_the_registry_is_reached():
     loaded = subprocess.run([sys.executable, "-c", "from pdm_lab.masks import MASK_RULES; print(len(MASK_RULES), "
                              "'seq_geo_mean' in MASK_RULES)"], check=True, capture_output=True, text=True).stdout.split()
     assert loaded[1] == "True" and int(loaded[0]) > 20
+
+
+def test_no_public_name_is_shadowed_by_a_submodule_of_the_same_name():
+    """Importing ``pdm_lab.x`` binds ``x`` on the package: a public name equal to a module's name
+    would then resolve to the module. Every top-level module imported first, every name is still its object."""
+    import importlib
+    import pkgutil
+    import types
+
+    import pdm_lab
+
+    for info in pkgutil.iter_modules(pdm_lab.__path__):
+        if not info.ispkg and info.name not in ("__main__",):
+            importlib.import_module(f"pdm_lab.{info.name}")
+    code = "\n".join(f"from pdm_lab import {name}" for name in pdm_lab.__all__)
+    scope: dict = {}
+    exec(code, scope)  # noqa: S102 - the user's own import statements
+    shadowed = [name for name in pdm_lab.__all__ if isinstance(scope[name], types.ModuleType)]
+    assert not shadowed, shadowed

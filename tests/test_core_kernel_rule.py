@@ -17,7 +17,7 @@ from pdm_lab.mask_config import MaskConfig
 from pdm_lab.masks import compute_mask, get_mask_rule
 from pdm_lab.policy_side import policy_on_support
 from pdm_lab.audit.probe import divergence_grads
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_full
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from pdm_lab import direction
 from pdm_lab import rule_check
 from pdm_lab.integrations.sampled_token import sampled_token_rules
 from pdm_lab.masks import MASK_RULES, pdm_rule, register_mask
-from pdm_lab.token_stats import TokenStats
+from pdm_lab.tokenwise import TokenStats
 
 
 def _stats(**cols):

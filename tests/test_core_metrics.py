@@ -14,7 +14,7 @@ from pdm_lab.mask_config import MaskConfig
 from pdm_lab.metrics import (MISMATCH_KEYS, all_reduce_metrics, as_mismatch, finalize, finalize_floats,
                              merge_metrics, metric, step_metric_sums)
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_full
 
 

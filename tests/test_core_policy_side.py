@@ -69,7 +69,7 @@ def test_tail_far_below_float32_underflow_is_finite():
 def test_compiled_stats_equal_eager():
     """The compiled fast path runs the very same functions; it must agree with eager."""
     from core_helpers import mismatched_pair, sample_from
-    from pdm_lab.token_stats import token_stats
+    from pdm_lab.tokenwise import token_stats
     from pdm_lab.support import support_from_full
 
     for n_rows in (64, 33):  # a second size exercises the dynamic-shape graph

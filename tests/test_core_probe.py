@@ -15,7 +15,7 @@ from pdm_lab.policy_side import PolicyOnSupport, policy_on_support
 from pdm_lab.divergence import full_kl, topk_kl
 from pdm_lab.audit.probe import (FunctionalKernel, LogitKernel, fit_kernel_ab, own_direction, own_update_probe,
                            pool_decomposition, pool_probe, probe_rows, probe_with_kernel, step_decomposition)
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_full
 
 

@@ -83,7 +83,7 @@ def test_compiled_primitives_match_eager():
 def test_row_blocks_match_one_call(monkeypatch, convention, threads):
     """Eager row blocks (7 rows here) build the same support and stats as one whole-tensor call,
     on one thread or taken in turn by one-thread workers (threads > 1)."""
-    from pdm_lab.token_stats import token_stats
+    from pdm_lab.tokenwise import token_stats
     from pdm_lab.policy_side import policy_on_support
     mu = random_logp(50, 30, 3)
     sampled = sample_from(mu, 3)

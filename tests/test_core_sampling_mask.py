@@ -10,7 +10,7 @@ from pdm_lab import MaskConfig, pdm_policy_loss
 from pdm_lab.errors import PDMInputError
 from pdm_lab.policy_side import policy_on_support, policy_on_support_reference
 from pdm_lab.sampling_mask import SamplingMask, engine_kept, on_sampling_set, sampling_keep
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_topk, topk_lower_id_ties
 
 NEG_INF = float("-inf")

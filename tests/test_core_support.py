@@ -7,7 +7,7 @@ from core_helpers import mismatched_pair, random_logp, sample_from
 from pdm_lab.divergence import full_kl
 from pdm_lab.errors import PDMInputError
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_full, support_from_slots, support_from_topk, topk_lower_id_ties
 
 

@@ -85,7 +85,7 @@ def test_sweep_from_a_yaml_config_with_key_path_overrides(tmp_path):
     """Preset, then the YAML file, then key.path=value overrides (the same syntax as `train`)."""
     cfg = tmp_path / "grid.yaml"
     cfg.write_text("base:\n  problem:\n    kind: bandit\n  steps: 5\n  groups_per_step: 8\n"
-                   "rules: [ppo_clip, pdm_agg]\nmismatches: [none]\nseeds: 1\n")
+                   "rules: [ppo_clip, pdm_agg]\nmismatches: [none]\ntis_rules: []\nminibatches: [1]\nseeds: 1\n")
     res = run("sweep", "--config", str(cfg), "mismatches=[noise:0.5,tail_noise:0.5]", "--out", str(tmp_path / "s"),
               "deltas=[0.05]", "base.steps=2", "--no-audit", "--quiet", "--workers", "1")
     assert res.returncode == 0, res.stderr[-3000:]

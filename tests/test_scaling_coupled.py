@@ -100,7 +100,7 @@ def _logp_k(policy, micros, supports):
 def _u(model, micros, supports):
     """∇_θ D_O (P = I) by the same differentiable D the loop uses."""
     from pdm_lab.coupled import differentiable_topk_kl, outside_set
-    from pdm_lab.token_stats import token_stats
+    from pdm_lab.tokenwise import token_stats
 
     policy = PolicyModel(model)
     model.zero_grad(set_to_none=True)

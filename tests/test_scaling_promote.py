@@ -300,6 +300,7 @@ def test_promote_from_a_real_toy_sweep(tmp_path):
 
     out_dir = tmp_path / "sweep"
     assert main(["sweep", "--preset", "quick", "rules=[dppo_topk_kl,pdm_uniform]", "mismatches=[noise:1]",
+                 "tis_rules=[]", "minibatches=[1]",
                  "base.problem.kind=bandit", "base.policy=tabular", "base.steps=3", "--seeds", "2",
                  "--workers", "1", "--no-audit", "--quiet", "--out", str(out_dir)]) == 0
     out = tmp_path / "promoted.yaml"

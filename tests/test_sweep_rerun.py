@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pdm_lab.cli import main as cli
 
-TINY_GRID = ["sweep", "rules=[none]", "mismatches=[none]", "base.steps=2", "base.groups_per_step=4",
+TINY_GRID = ["sweep", "rules=[none]", "mismatches=[none]", "tis_rules=[]", "minibatches=[1]", "base.steps=2", "base.groups_per_step=4",
              "base.group_size=4", "base.eval_sequences=16", "--seeds", "1", "--no-audit", "--quiet",
              "--workers", "1"]
 

@@ -74,10 +74,10 @@ def audit_batch(cfg: AuditConfig, seed: int, mismatch: str | None = None, *, ste
 
 
 def mini_batch_rows(sequences: int, mini_batches: int) -> list[Tensor]:
-    """The rows of each of M mini-batches: the scaling loop's own split (``train_step.split``: M
+    """The rows of each of M mini-batches: the scaling loop's own split (``pdm_lab.lab.minibatches.split``: M
     contiguous equal chunks; a batch's groups are contiguous, so with M dividing the groups each
     chunk holds whole groups, as ``envs.train.grpo`` needs for its advantages)."""
-    from pdm_lab.scaling.train_step import split  # the loop's function (light: no model is loaded)
+    from pdm_lab.lab.minibatches import split  # the loop's own split
 
     return [torch.tensor(rows, dtype=torch.int64) for rows in split(sequences, mini_batches)]
 

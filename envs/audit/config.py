@@ -120,7 +120,7 @@ class AuditConfig:
     every disagreement token first, then a sample); 0: no probe."""
     mini_batches: Annotated[int, at_least(1)] = 1
     """M (SPEC §6b, §6c): the audited rollout batch of ``sequences`` is trained over M mini-batches
-    of whole groups (contiguous equal chunks, the scaling loop's ``train_step.split``), so
+    of whole groups (contiguous equal chunks, the scaling loop's ``pdm_lab.lab.minibatches.split``), so
     mini-batch j meets π after j optimiser steps on the same rollouts. 1: the whole batch, no
     staleness (today's audit). Must divide the batch's groups (``sequences / group_size``)."""
     mini_batch: Any = "last"  # int | str: checked in __post_init__ (the config's union check is numeric-only)

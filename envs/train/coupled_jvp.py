@@ -20,7 +20,7 @@ from torch.func import functional_call, jvp
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.coupled import CoupledScores, coupled_scores, differentiable_topk_kl
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 
 
 Direction = dict[str, Tensor]

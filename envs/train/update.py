@@ -15,7 +15,7 @@ from pdm_lab.kernel_direction import kernel_scores
 from pdm_lab.mask_config import MaskConfig
 from pdm_lab.loss import LossOutput, pdm_policy_loss
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.token_stats import TokenStats, token_stats
+from pdm_lab.tokenwise import TokenStats, token_stats
 from pdm_lab.support import Support, support_from_full
 
 from pdm_lab.envs.problems.rollout import RolloutBatch

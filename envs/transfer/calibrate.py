@@ -177,14 +177,20 @@ def format_mini_batches(table: dict) -> str:
     return "\n".join(lines)
 
 
+def _fmt(x, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    """`x` formatted, or "n/a" where nothing was measured (None or NaN: no token in the setting)."""
+    return "n/a" if x is None or x != x else f"{scale * x:{spec}}{unit}"
+
+
 def markdown_row(name: str, table: dict) -> str:
-    """One row of the README / report calibration table."""
+    """One row of the README / report calibration table ("n/a" where the setting had no token)."""
     q = table["d_quantiles"]
     mass = table.get("topk_mass_ge_099")
     tps = table.get("tokens_per_state")
-    return (f"| {name} | {q['p50']:.2g} | {q['p99']:.2g} | {q['p999']:.2g} | {q['max']:.2g} | "
-            f"{100 * table['outside_fraction']:.3f}% | {table['tail_ratio']:.3g} | "
-            f"{'–' if mass is None else f'{100 * mass:.0f}%'} | {'–' if tps is None else f'{tps:.2f}'} |")
+    return (f"| {name} | {_fmt(q.get('p50'), '.2g')} | {_fmt(q.get('p99'), '.2g')} | {_fmt(q.get('p999'), '.2g')} | "
+            f"{_fmt(q.get('max'), '.2g')} | {_fmt(table.get('outside_fraction'), '.3f', 100, '%')} | "
+            f"{_fmt(table.get('tail_ratio'), '.3g')} | {'–' if mass is None else _fmt(mass, '.0f', 100, '%')} | "
+            f"{'–' if tps is None else _fmt(tps, '.2f')} |")
 
 
 MARKDOWN_HEADER = ("| setting | D p50 | D p99 | D p99.9 | D max | outside δ (Â ≠ 0) | p99.9/p50 | "

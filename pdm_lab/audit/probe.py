@@ -35,7 +35,7 @@ from pdm_lab.kernel_direction import kernel_scores, own_direction, topk_kl_logit
 from pdm_lab.masks import MaskRule, get_mask_rule, kernel_outward, predictive_outward, ratio_outward
 from pdm_lab.policy_side import policy_on_support
 from pdm_lab.audit.probe_kernel import FunctionalKernel, LogitKernel
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import Support
 
 __all__ = ["FunctionalKernel", "LogitKernel", "own_direction", "fit_kernel_ab", "own_update_probe",

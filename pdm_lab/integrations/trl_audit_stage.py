@@ -34,7 +34,7 @@ from pdm_lab.policy_side import policy_on_support
 from pdm_lab.sampling_mask import engine_kept, on_sampling_set
 from pdm_lab.audit.probe_kernel import InPlaceKernel
 from pdm_lab.audit.probe_record import token_weights
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_topk
 
 BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",

@@ -244,7 +244,7 @@ def check_mask(fn: Callable[..., Tensor], rule: str = "dppo_topk_kl", *, delta: 
 def pdm_lab_divergence(divergence: str) -> Callable[..., Tensor]:
     """pdm_lab's `divergence` as ``fn(mu_logp, pi_logp, sampled, k, convention)``."""
     from pdm_lab.policy_side import policy_on_support
-    from pdm_lab.token_stats import token_stats
+    from pdm_lab.tokenwise import token_stats
     from pdm_lab.support import support_from_full
 
     def fn(mu_logp, pi_logp, sampled, k, convention):
@@ -258,7 +258,7 @@ def pdm_lab_mask(rule: str) -> Callable[..., Tensor]:
     from pdm_lab.mask_config import MaskConfig
     from pdm_lab.masks import compute_mask
     from pdm_lab.policy_side import policy_on_support
-    from pdm_lab.token_stats import token_stats
+    from pdm_lab.tokenwise import token_stats
     from pdm_lab.support import support_from_full
 
     def fn(mu_logp, pi_logp, sampled, advantages, k, delta, convention):

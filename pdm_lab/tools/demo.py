@@ -14,7 +14,7 @@ import time
 import torch
 
 from pdm_lab.config import ConfigError, at_least, non_negative
-from pdm_lab.diagnose import DIAGNOSE_MASKS, diagnose
+from pdm_lab.diagnosis import DIAGNOSE_MASKS, diagnose
 from pdm_lab.cli.main import integer, number
 from pdm_lab.lab.memory import check_memory
 from pdm_lab.lab.outputs import write_output

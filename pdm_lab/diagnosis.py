@@ -15,7 +15,7 @@ from pdm_lab.errors import check_logp, check_same, check_tensor
 from pdm_lab.masks import compute_mask, outside_region
 from pdm_lab.metrics import direction_disagreement, sign_certified
 from pdm_lab.policy_side import policy_on_support
-from pdm_lab.token_stats import token_stats
+from pdm_lab.tokenwise import token_stats
 from pdm_lab.support import support_from_full
 from pdm_lab.support_checks import check_full_mass
 
