@@ -86,13 +86,13 @@ def _engine(sigma: float) -> str:
 SWEEP_PRESETS: dict[str, SweepConfig] = {
     # make run's main job: the two-axis strength study at its smallest (README "Job 2"): precision
     # σ ∈ {0, 0.06 (realistic), 0.5 (past where plain GRPO degrades)} at M = 1, and staleness
-    # M ∈ {1, 8} without a precision mismatch; 5 rules × 4 points × 3 seeds × 30 steps (60 runs)
+    # M ∈ {1, 8} without a precision mismatch; 5 rules × 4 points × 6 seeds × 30 steps (120 runs)
     "quick": SweepConfig(
         base=TrainConfig(problem=QUICK_PROBLEM, policy="neural", steps=30, groups_per_step=8,
                          eval_sequences=1024),
         rules=STRENGTH_RULES, tis_rules=("none",), tis_cap=2.0, design="axes",
         mismatches=tuple(_engine(s) for s in (0, 0.06, 0.5)), minibatches=(1, 8),
-        deltas=(0.15,), ks=(20,), seeds=3),
+        deltas=(0.15,), ks=(20,), seeds=6),
     # the long version (not run by make run): the realistic problem, σ from 0 through the realistic
     # band (0.03–0.09) to collapse, M = 1 … 16, 16 seeds × 60 steps (5 rules × 12 points)
     "strength": SweepConfig(

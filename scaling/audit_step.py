@@ -72,6 +72,12 @@ def rule_mask_config(mask_cfg, rule: str, delta: float):
 @torch.no_grad()
 def measured_divergence(policy, mb: MicroBatch, mask_cfg, vocab_size: int, temperature: float,
                         chunk_tokens: int | None, sampling=None) -> Tensor:
+    """[n] D of ``measured_stats`` (the audit's measurement; module docstring)."""
+    return measured_stats(policy, mb, mask_cfg, vocab_size, temperature, chunk_tokens, sampling)[0]
+
+
+def measured_stats(policy, mb: MicroBatch, mask_cfg, vocab_size: int, temperature: float,
+                   chunk_tokens: int | None, sampling=None) -> tuple[Tensor, Tensor]:
     """[n] top-K KL D(μ‖π) of the micro-batch's response tokens in float64 (μ's support as the
     rules build it, then cast; lm_head and the softmax in float64; with the engine's sampling mask
     kept, π over the sampling set, as the loss computes it). Collective under FSDP."""
@@ -87,7 +93,8 @@ def measured_divergence(policy, mb: MicroBatch, mask_cfg, vocab_size: int, tempe
         pi = dataclasses.replace(pi, tail_count=out[3])
         support = on_sampling_set(support, out[3])
     reshard(policy)
-    return token_stats(support, pi, binary=False).topk_kl
+    stats = token_stats(support, pi, binary=False)
+    return stats.topk_kl, stats.mu_tail
 
 
 def _micro_batches(batch, seq_adv: Tensor, pad_id: int, size: int, device) -> list[MicroBatch]:
@@ -153,9 +160,11 @@ class LoopAuditStage:
 
     def measure(self) -> Tensor:
         cfg = self.cfg
-        return torch.cat([measured_divergence(self.policy, mb, cfg.mask, self.vocab_size, cfg.rollout.temperature,
-                                              cfg.trainer.logits_chunk_tokens, getattr(cfg.rollout, "sampling_mask", None))
-                          for mb in self.micros])
+        parts = [measured_stats(self.policy, mb, cfg.mask, self.vocab_size, cfg.rollout.temperature,
+                                cfg.trainer.logits_chunk_tokens, getattr(cfg.rollout, "sampling_mask", None))
+                 for mb in self.micros]
+        self.mu_tail = torch.cat([t for _, t in parts])  # μ_T of the measured tokens (an idle batch's regime)
+        return torch.cat([d for d, _ in parts])
 
     def probe_view(self, rows: Tensor, preconditioner) -> ProbeView:
         return loop_probe_view(self, rows.cpu(), preconditioner)

@@ -195,3 +195,19 @@ def test_transfer_command_names_a_missing_audit_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "audit.jsonl" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("bad", [b'{"step": 1, "rules": ["dppo', b"[1, 2]", b'{"step": "abc", "rules": [], "delta": 0.15, "k": 20}'])
+def test_a_refused_transfer_names_the_line_and_leaves_no_out_folder(tmp_path, bad):
+    import json as _json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    good = _json.dumps({"step": 0, "rules": ["dppo_topk_kl", "pdm_topk"], "delta": 0.15, "k": 20}).encode()
+    (run / "audit.jsonl").write_bytes(good + b"\n" + bad + b"\n")
+    res = subprocess.run([sys.executable, "-m", "pdm_lab", "transfer", str(run), "--out", str(tmp_path / "t")],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "audit.jsonl:2" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "t").exists()

@@ -158,7 +158,9 @@ class LiveAuditStage(Protocol):
         ...
 
     def measure(self) -> Tensor:
-        """[n] D of the audited tokens at the current θ, in float64 (collective)."""
+        """[n] D of the audited tokens at the current θ, in float64 (collective). A stage may also
+        set ``mu_tail`` ([n] μ_T of those tokens) and ``advantages`` ([n] Â): an idle batch's
+        record then states μ's top-K mass and the Â ≠ 0 count in its regime."""
         ...
 
     def probe_view(self, rows: Tensor, preconditioner) -> ProbeView:
@@ -191,8 +193,8 @@ def run_live_audit(stage: LiveAuditStage, *, rules, cfg: LiveAuditConfig, mask_c
     before = stage.measure()  # D at θ₀ (float64, collective): read only, so before the snapshot
     peak = max(float(d.max()) if d.numel() else 0.0 for d in gather_objects(before.detach().cpu()))
     if peak <= IDLE_MARGIN * delta:  # no token can be outside: nothing to audit, no snapshot, no step
-        return _idle_record(rules, before, getattr(stage, "advantages", None), delta, cfg, contexts, fingerprint,
-                            peak)
+        return _idle_record(rules, before, getattr(stage, "advantages", None), getattr(stage, "mu_tail", None),
+                            delta, cfg, contexts, fingerprint, peak)
     snapshot = HostSnapshot.take(stage.params, stage.optimizer)
     try:
         return _audit_from_snapshot(stage, snapshot, rules, cfg, mask_cfg, delta, contexts, seed, probing,
@@ -208,8 +210,8 @@ def run_live_audit(stage: LiveAuditStage, *, rules, cfg: LiveAuditConfig, mask_c
 IDLE_MARGIN = 0.99
 
 
-def _idle_record(rules, before: Tensor, advantages: Tensor | None, delta: float, cfg: "LiveAuditConfig",
-                 contexts: int, fingerprint, peak: float) -> dict:
+def _idle_record(rules, before: Tensor, advantages: Tensor | None, mu_tail: Tensor | None, delta: float,
+                 cfg: "LiveAuditConfig", contexts: int, fingerprint, peak: float) -> dict:
     """The record of a batch with no outside token: the same keys as an audited one, every count 0
     and every rate null (nothing counted), ``idle`` true, the regime from D at θ₀."""
     from pdm_lab.audit.measure import regime_table
@@ -221,13 +223,16 @@ def _idle_record(rules, before: Tensor, advantages: Tensor | None, delta: float,
     keep = {r: torch.ones(n, dtype=torch.bool) for r in rules}
     record = step_record(rules, keep, {r: {"topk_kl": zeros, "full_kl": None} for r in rules}, none, cfg.tolerance)
     considered = torch.ones(n, dtype=torch.bool) if advantages is None else advantages.detach().cpu().reshape(-1) != 0
-    gathered = gather_objects((n, before.detach().double().cpu(), considered))
+    tail = None if mu_tail is None else mu_tail.detach().double().cpu().reshape(-1)
+    gathered = gather_objects((n, before.detach().double().cpu(), considered, tail))
     d_all = torch.cat([g[1] for g in gathered])
     tokens = sum(g[0] for g in gathered)
     record.update(tokens=tokens, zero_advantage=sum(int((~g[2]).sum()) for g in gathered), idle=True, peak_d=peak)
     if d_all.numel():
         all_none = torch.zeros(d_all.numel(), dtype=torch.bool)
-        record["regime"] = regime_table(d_all, all_none, torch.cat([g[2] for g in gathered]),
+        tails = [g[3] for g in gathered]
+        mass = None if any(t is None for t in tails) else 1.0 - torch.cat(tails)
+        record["regime"] = regime_table(d_all, all_none, torch.cat([g[2] for g in gathered]), topk_mass=mass,
                                         tokens_per_state=tokens / max(contexts, 1))
     record["step_scales"] = {f"{s:g}": step_scale_record(rules, {r: torch.ones_like(all_none) for r in rules},
                                                          {r: torch.zeros_like(d_all) for r in rules}, None, d_all,

@@ -47,8 +47,8 @@ def batch_rows(batch: dict, lo: int, hi: int) -> dict:
 
 
 @torch.no_grad()
-def measured_divergence(trainer, model, inputs: dict) -> Tensor:
-    """[n] top-K KL D(μ‖π) of the completion tokens in float64 (μ's support as the rules build it,
+def measured_divergence(trainer, model, inputs: dict) -> tuple[Tensor, Tensor]:
+    """([n] top-K KL D(μ‖π), [n] μ_T) of the completion tokens in float64 (μ's support as the rules build it,
     then cast; the logits cast before the softmax; π over the engine's sampling set when the
     trainer keeps the sampling mask, as its loss does)."""
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -65,7 +65,8 @@ def measured_divergence(trainer, model, inputs: dict) -> Tensor:
     pi = policy_on_support(logits.reshape(b * t, -1)[flat].double(), support.ids, temperature=trainer.temperature,
                            sampling=trainer.pdm_sampling, keep_on_support=engine_kept(support))
     support = on_sampling_set(support, pi.tail_count)
-    return token_stats(support, pi, binary=False).topk_kl
+    stats = token_stats(support, pi, binary=False)
+    return stats.topk_kl, stats.mu_tail
 
 
 def _token_advantages(mb: dict) -> Tensor:
@@ -145,7 +146,9 @@ class TRLAuditStage:
                            ratio=cat(lambda o: o.stats.ratio), weights=self.weights, clip_factor=clip)
 
     def measure(self) -> Tensor:
-        return torch.cat([measured_divergence(self.trainer, self.model, mb) for mb in self.micros])
+        parts = [measured_divergence(self.trainer, self.model, mb) for mb in self.micros]
+        self.mu_tail = torch.cat([tail for _, tail in parts])  # μ_T of the measured tokens (an idle batch's regime)
+        return torch.cat([d for d, _ in parts])
 
     def probe_view(self, rows: Tensor, preconditioner) -> ProbeView:
         """The probed rows (indices into this process's audited tokens): one forward of the
