@@ -70,7 +70,11 @@ def _in_support(ids: Tensor, vocab: int) -> Tensor:
 def _pads_to_real(ids: Tensor) -> Tensor:
     # a pad (−1) must never alias a real token: point it at an id of its own row (SPEC §8)
     fill = ids.max(dim=1, keepdim=True).values.clamp(min=0)
-    return torch.where(ids >= 0, ids, fill)
+    # a blend, not torch.where: inductor's AVX2 code for an int64 where (torch 2.13, CPUs without
+    # AVX-512 or ATEN_CPU_CAPABILITY=avx2) returns wrong ids, and the scatter then writes out of
+    # bounds (tests/test_core_policy_side.py::test_pads_to_real_compiles_to_the_same_ids)
+    pad = (ids < 0).to(ids.dtype)
+    return ids + pad * (fill - ids)
 
 
 def _scaled(logits: Tensor, ids: Tensor, temperature: float, sampling: SamplingMask | None,

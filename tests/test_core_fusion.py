@@ -59,3 +59,29 @@ def test_a_shared_exp_is_written_as_a_buffer_planted():
 
     mu_logp, pi_logp = _stats_args(False)[:2]
     assert len(buffers_2d(shared, mu_logp, pi_logp)) == 2
+
+
+def test_compiling_under_a_lowered_isa_falls_back_to_eager_with_one_warning(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU: torch 2.13's inductor miscomputes int64 selects
+    there, so ``maybe_compiled`` hands back the eager function and says why, once."""
+    import warnings
+
+    from pdm_lab.fast import compiled as fc
+
+    def fn(x):
+        return x + 1
+
+    monkeypatch.setattr(fc, "_cpu_flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(fc, "_WARNED", [])
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert fc.maybe_compiled(fn, True) is fn and fc.maybe_compiled(fn, True) is fn
+    assert len([w for w in seen if "ATEN_CPU_CAPABILITY=avx2" in str(w.message)]) == 1
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    assert fc.lowered_isa() is None
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert fc.lowered_isa() is None
+    monkeypatch.setattr(fc, "_cpu_flags", lambda: {"avx2"})  # an AVX2 CPU: nothing is lowered
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert fc.lowered_isa() is None

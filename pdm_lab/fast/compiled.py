@@ -39,10 +39,44 @@ def compile_default() -> bool:
     return os.environ.get("PDM_LAB_COMPILE", "0").lower() not in ("", "0", "false", "no")
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def lowered_isa() -> str | None:
+    """Why compiling is unsafe here, or None: ``ATEN_CPU_CAPABILITY`` set below an AVX-512 CPU's
+    own ISA. Torch 2.13's inductor then emits AVX2 code whose int64 selects and gathers return
+    wrong values (measured here: ``_pads_to_real`` 80 of 84 ids wrong; compiled ``token_stats``
+    off by up to 0.3 in D, NaN tails), so ``maybe_compiled`` runs eager instead."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if cap and cap not in ("avx512", "avx512_vnni", "avx512_bf16") and "avx512f" in _cpu_flags():
+        return (f"ATEN_CPU_CAPABILITY={cap} on an AVX-512 CPU: torch.compile's AVX2 code miscomputes int64 "
+                "selects and gathers in torch 2.13, so pdm_lab runs these functions eager (unset it to compile)")
+    return None
+
+
+_WARNED: list[str] = []
+
+
 def maybe_compiled(fn: Callable, compiled: bool | None, *, row_blocks: bool = False) -> Callable:
     """`fn`'s ``torch.compile(dynamic=True)`` twin (built once per process) when compiling; else
-    `fn` itself, or ``by_row_blocks(fn)`` with `row_blocks`."""
-    if not (compile_default() if compiled is None else compiled):
+    `fn` itself, or ``by_row_blocks(fn)`` with `row_blocks`. Where compiling is known to give
+    wrong numbers (``lowered_isa``) the eager function is returned, with one warning."""
+    wanted = compile_default() if compiled is None else compiled
+    unsafe = lowered_isa() if wanted else None
+    if unsafe and not _WARNED:
+        import warnings
+
+        _WARNED.append(unsafe)
+        warnings.warn(f"pdm_lab: {unsafe}", RuntimeWarning, stacklevel=2)
+    if not wanted or unsafe:
         return by_row_blocks(fn) if row_blocks else fn
     if (fn, True) not in _CACHE:
         graph = torch.compile(fn, dynamic=True)
