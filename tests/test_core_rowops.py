@@ -69,6 +69,7 @@ def test_head_log_mass_small_rows_fall_back_to_logsumexp():
     torch.testing.assert_close(rowops.head_log_mass(logp), torch.logsumexp(logp, 1))
 
 
+@pytest.mark.compile
 def test_compiled_primitives_match_eager():
     """One compiled graph calls every primitive (one compile for all)."""
     fused = torch.compile(_all_primitives, dynamic=True)

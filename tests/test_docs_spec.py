@@ -30,7 +30,9 @@ CITATION = re.compile(rf"\bSPEC(?:\.md)?(?:'s)?\s+(?:§{{1,2}}\s*({SECTION}{_NEX
 BARE = re.compile(rf"§\s*({SECTION})")
 HEADING = re.compile(rf"^#{{2,3}} ({SECTION})\. ", re.M)
 
-OUTSIDE = re.compile(r"\.\./shared|shared/SPEC|shared/notes|beside this repository|shared folder")
+# spelled in pieces so that this file does not itself contain what it looks for
+OUTSIDE = re.compile("|".join((r"\.\./" + "shared", "shared" + "/SPEC", "shared" + "/notes",
+                               "beside this " + "repository", "shared " + "folder")))
 ISSUE_NUMBER = re.compile(r"\b[Ii]ssues?[ -]#?\d+\b")
 
 
@@ -143,7 +145,7 @@ def test_every_spec_citation_names_a_section(files, sections):
 
 
 def test_no_file_points_outside_the_repository(files):
-    assert OUTSIDE.search("see ../shared/SPEC.md")   # the check can fail
+    assert OUTSIDE.search("see ../" + "shared" + "/SPEC.md")   # the check can fail
     hits = scan(files, OUTSIDE, skip={THIS_FILE})
     assert not hits, "files citing a location outside the repository:\n" + "\n".join(hits)
 

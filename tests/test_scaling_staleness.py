@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import subprocess
@@ -31,23 +30,8 @@ from pdm_lab.scaling import audit_step, train_step
 from pdm_lab.scaling.config import AuditConfig, TrainerConfig
 from pdm_lab.scaling.policy_model import PolicyModel
 
-from test_scaling_audit import _identical, _lm, _state_copy
+from test_scaling_audit import ADV, Cfg, _identical, _lm, _state_copy  # the audit tests' run-config stand-in
 from test_scaling_units import VOCAB, fake_batch
-
-ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, -1.0, 1.0, -0.3, 0.3])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rollout:
-    temperature: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Cfg:
-    mask: MaskConfig
-    trainer: TrainerConfig
-    audit: AuditConfig
-    rollout: _Rollout = _Rollout()
 
 
 def _cfg(mini_batch="last") -> Cfg:
