@@ -54,7 +54,8 @@ def lowered_isa() -> str | None:
     """Why compiling is unsafe here, or None: ``ATEN_CPU_CAPABILITY`` set below an AVX-512 CPU's
     own ISA. Torch 2.13's inductor then emits AVX2 code whose int64 selects and gathers return
     wrong values (measured here: ``_pads_to_real`` 80 of 84 ids wrong; compiled ``token_stats``
-    off by up to 0.3 in D, NaN tails), so ``maybe_compiled`` runs eager instead."""
+    off by up to 0.3 in D, NaN tails), and its on-disk cache does not key on the ISA (a later run
+    without the variable loaded those kernels and crashed), so ``maybe_compiled`` runs eager."""
     cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
     if cap and cap not in ("avx512", "avx512_vnni", "avx512_bf16") and "avx512f" in _cpu_flags():
         return (f"ATEN_CPU_CAPABILITY={cap} on an AVX-512 CPU: torch.compile's AVX2 code miscomputes int64 "
