@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pdm_lab.lab.advantages import group_advantages
-from pdm_lab.audit.measure import unsafe_keep_rates
+from pdm_lab.audit.measure import regime_table, unsafe_keep_rates
 from pdm_lab.config import ConfigError, at_least, config_dataclass, in_range, one_of  # field checks
 from pdm_lab.errors import PDMInputError
 from pdm_lab.loss_checks import gradient_flags
@@ -154,8 +154,8 @@ def tail_ratio(values: list[torch.Tensor]) -> float:
     d = d[torch.isfinite(d)]
     if d.numel() == 0:
         return float("nan")
-    p50, p999 = (float(q) for q in torch.quantile(d, torch.tensor([0.5, 0.999], dtype=torch.float64)))
-    return p999 / p50 if p50 > 0 else float("inf")
+    none = torch.zeros_like(d, dtype=torch.bool)  # the regime table's own definition, not a second one
+    return regime_table(d, none, ~none)["tail_ratio"]
 
 
 def _total(sums: MetricSums, key: str) -> int:
