@@ -4,7 +4,8 @@ z = h·Wᵀ/T with lm_head in float64, and a ``pdm_lab.audit.probe_kernel.InPlac
 The decoder runs through ``PolicyModel.forward`` (so FSDP gathers and reshards as in training);
 a forward hook on the decoder keeps its last hidden state, from which the probed rows' full
 logits are formed in float64. Every rank runs one forward per call, even with no probed row
-(it then forwards one sequence and returns [0, V]).
+(it then forwards one sequence and returns [0, V]). Per probed token, K v's passes forward the
+token's own sequence alone (``row_logits_fn``), not every probed sequence.
 """
 from __future__ import annotations
 
@@ -44,17 +45,20 @@ def loop_probe_view(stage, rows: Tensor, preconditioner) -> ProbeView:
     lm = policy.lm
     dummy = torch.zeros(1, 1, dtype=torch.long, device=pmb.input_ids.device)
 
-    def hidden() -> Tensor:
+    def hidden_of(mb, at: Tensor) -> Tensor:
         captured = {}
         handle = lm.model.register_forward_hook(lambda _m, _i, out: captured.__setitem__("h", out.last_hidden_state))
         try:
-            policy(pmb.input_ids, pmb.attention_mask, pmb.positions[:1], dummy, temperature)
+            policy(mb.input_ids, mb.attention_mask, mb.positions[:1], dummy, temperature)
         finally:
             handle.remove()
         h = captured["h"]
         if not torch.is_grad_enabled():  # the root keeps its gathered copy after a forward (a backward frees it)
             reshard(policy)
-        return h.reshape(-1, h.shape[-1])[positions]
+        return h.reshape(-1, h.shape[-1])[at]
+
+    def hidden() -> Tensor:
+        return hidden_of(pmb, positions)
 
     def weight() -> Tensor:
         w = lm.lm_head.weight
@@ -62,6 +66,21 @@ def loop_probe_view(stage, rows: Tensor, preconditioner) -> ProbeView:
 
     def logits_fn() -> Tensor:
         return hidden().double() @ weight().double().t() / temperature
+
+    single: dict[int, tuple] = {}  # sequence → its own micro-batch and response column → flat position
+
+    def row_logits_fn(t: int | None) -> Tensor:
+        """[1, V] probed row t's logits from a forward of its sequence alone (None: this rank's first
+        probed sequence, or sequence 0: a rank that only joins the collective)."""
+        s = int(seq[t]) if t is not None else (int(seq[0]) if seq.numel() else 0)
+        if s not in single:
+            mb = make_micro_batch(stage.batch, [s], stage.seq_adv, stage.pad_id).to(stage.device or "cpu")
+            cols = mb.response_mask.cpu().nonzero(as_tuple=True)[1]
+            single[s] = (mb, {int(c): i for i, c in enumerate(cols)})
+        mb, where_col = single[s]
+        i = where_col[int(col[t])] if t is not None else 0
+        at = mb.positions[i:i + 1]
+        return hidden_of(mb, at).double() @ weight().double().t() / temperature
 
     with torch.no_grad():
         h0 = hidden().double()
@@ -77,5 +96,5 @@ def loop_probe_view(stage, rows: Tensor, preconditioner) -> ProbeView:
     head_sq = (h0.norm(dim=-1) ** 2 / temperature ** 2).cpu()
     kernel = InPlaceKernel(stage.params, logits_fn, preconditioner=preconditioner,
                            head_fn=lambda _rows, v: head_sq[:, None] * v, unembedding=w0 / temperature,
-                           compute_dtype=DTYPES[cfg.trainer.param_dtype])
+                           compute_dtype=DTYPES[cfg.trainer.param_dtype], row_logits_fn=row_logits_fn)
     return ProbeView(support=support, logits=logits, kernel=kernel)

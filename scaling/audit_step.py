@@ -76,6 +76,7 @@ def measured_divergence(policy, mb: MicroBatch, mask_cfg, vocab_size: int, tempe
     return measured_stats(policy, mb, mask_cfg, vocab_size, temperature, chunk_tokens, sampling)[0]
 
 
+@torch.no_grad()  # read only: the audit runs inside the update's grad-enabled mini-batch loop
 def measured_stats(policy, mb: MicroBatch, mask_cfg, vocab_size: int, temperature: float,
                    chunk_tokens: int | None, sampling=None) -> tuple[Tensor, Tensor]:
     """[n] top-K KL D(μ‖π) of the micro-batch's response tokens in float64 (μ's support as the
@@ -134,6 +135,9 @@ class LoopAuditStage:
             cols.append(c)
             offset += mb.response_mask.shape[0]
         self.token_seq, self.token_col = torch.cat(seqs), torch.cat(cols)
+        #: [n] the sampled token id of each audited token (the record's per-token rows carry it)
+        self.token_ids = torch.cat([mb.sampled.reshape(-1)[r.to(mb.sampled.device)].cpu()
+                                    for mb, r in zip(self.micros, resp)])
         #: [n] Â per audited token (``run_live_audit`` reads it for an idle batch's counts)
         self.advantages = torch.cat([mb.advantages.reshape(-1)[r] for mb, r in zip(self.micros, resp)])
 

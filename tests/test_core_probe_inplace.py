@@ -120,3 +120,63 @@ def test_the_probes_own_delta_d_sign_is_an_actual_float64_steps():
         assert float(after - before) * float(predicted[t]) > 0, (t, float(after - before), float(predicted[t]))
         checked += 1
     assert checked >= SEQ // 2
+
+
+def test_the_kernel_reuses_its_logits_and_pullbacks_and_returns_the_same_values():
+    """A probe asks one kernel for K v, J P Jᵀ v and (the decomposition) J P' Jᵀ v of the same v:
+    each row's pullback and the logits at θ are computed once; the values are those of a kernel
+    that recomputes everything (no cache), bit for bit."""
+    model32 = _model(True)
+    z, _, v = _v(copy.deepcopy(model32).double())
+    rows = torch.arange(SEQ)
+    pre = [torch.rand(p.shape, generator=torch.Generator().manual_seed(4)) + 0.5 for p in model32.parameters()]
+    cached, fresh = _inplace(model32), _inplace(model32)
+    fresh.pullback_cache_bytes = 0
+    for kern in (cached, fresh):
+        kern.preconditioner = pre
+    got = [cached.kernel_v(rows, v), cached.kernel_v(rows, v, precondition=True)]
+    want = [fresh.kernel_v(rows, v), fresh.kernel_v(rows, v, precondition=True)]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert cached.passes["backward"] == SEQ and fresh.passes["backward"] == 2 * SEQ
+    assert cached.passes["forward"] < fresh.passes["forward"]
+    # another v for the same rows is another pullback (a stale cache would return the old K v)
+    v2 = v.roll(1, dims=-1)
+    assert torch.equal(cached.kernel_v(rows, v2), fresh.kernel_v(rows, v2))
+    assert cached.passes["backward"] == 2 * SEQ
+
+
+def test_a_row_forward_of_the_tokens_own_sequence_gives_the_batched_kernel():
+    """``row_logits_fn``: each probed row's passes forward its own sequence alone. K v equals the
+    exact float64 kernel as the batched forward's does, on rows from two sequences."""
+    model32 = _model(True)
+    model64 = copy.deepcopy(model32).double()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    params64 = {k: p.detach() for k, p in model64.named_parameters()}
+    exact = FunctionalKernel(lambda p: torch.func.functional_call(model64, p, (ids,)).logits.reshape(2 * SEQ, -1),
+                             params64, method="jvp")
+    with torch.no_grad():
+        z = model64(ids).logits.reshape(2 * SEQ, -1).double()
+    rows = torch.tensor([1, 5, SEQ + 2, SEQ + 6])
+    sampled = torch.randint(0, VOCAB, (rows.numel(),), generator=torch.Generator().manual_seed(6))
+    v = own_direction(z[rows], sampled)
+    want = exact.kernel_v(rows, v)
+    # the kernel's rows index the probed rows (0 … 3); the batched forward returns only those
+    flat = lambda: model32(ids).logits.reshape(2 * SEQ, -1)[rows].double()  # noqa: E731
+
+    def one(t):
+        r = int(rows[0 if t is None else t])
+        return model32(ids[r // SEQ:r // SEQ + 1]).logits[0, r % SEQ:r % SEQ + 1].double()
+
+    batched = InPlaceKernel(list(model32.parameters()), flat, compute_dtype=torch.float32)
+    per_row = InPlaceKernel(list(model32.parameters()), flat, compute_dtype=torch.float32, row_logits_fn=one)
+    probe_rows = torch.arange(rows.numel())
+    for kern in (batched, per_row):
+        got = kern.kernel_v(probe_rows, v)
+        rel = (got - want).norm(dim=-1) / want.norm(dim=-1)
+        assert float(rel.max()) < 2e-2, rel
+    # planted: a row function that forwards the wrong sequence is far from the exact kernel
+    wrong = InPlaceKernel(list(model32.parameters()), flat, compute_dtype=torch.float32,
+                          row_logits_fn=lambda t: one(None if t is None else (t + 2) % rows.numel()))
+    bad = wrong.kernel_v(probe_rows, v)
+    assert float(((bad - want).norm(dim=-1) / want.norm(dim=-1)).max()) > 0.1

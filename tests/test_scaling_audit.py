@@ -218,6 +218,15 @@ def test_each_rules_delta_d_equals_a_fresh_copy_stepped_alone(setup, monkeypatch
     assert counts["count"] == int(kept.sum()) and counts["grew"] == int((seen["none"][kept] > 1e-9).sum())
     dropped = record["dropped_outside"]["pdm_topk"]["topk_kl"]
     assert dropped["count"] == int((out & ~seen["keep"]["pdm_topk"]).sum())
+    # the per-token rows (SPEC §6d's selection controls re-score them): every outside token once, its
+    # sampled id, and each rule's keep and ΔD as measured
+    (rows,) = record["outside_tokens"]
+    idx = out.nonzero(as_tuple=True)[0]
+    assert rows["index"] == idx.tolist() and len(rows["momentum_dd"]) == len(idx)
+    sampled = batch.response_ids[torch.tensor(rows["seq"]), torch.tensor(rows["col"])]
+    assert rows["token_id"] == sampled.tolist()
+    for rule in cfg.audit.rules:
+        assert rows["dd"][rule] == seen[rule][idx].tolist() and rows["keep"][rule] == seen["keep"][rule][idx].tolist()
 
     # the planted bug: AdamW's state not restored between the rules → later rules' ΔD differ
     monkeypatch.setattr(host_snapshot, "restore_optimizer", lambda *args: None)

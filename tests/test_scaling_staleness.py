@@ -182,15 +182,26 @@ def _train(tmp_path: Path, name: str, cache: Path, *extra: str) -> Path:
     return tmp_path / name / "run"
 
 
-@pytest.fixture(scope="module")
-def stale_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("stale")
+AUDIT_LAST = ("audit.every=1", "audit.mini_batch=last", "audit.delta=1e-6", "audit.probe_tokens=2",
+              "audit.step_scales=[1.0]")
+
+
+def _off_and_on(tmp_path_factory, name: str, *extra: str) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp(name)
     (tmp / "off").mkdir()
     (tmp / "on").mkdir()
-    off = _train(tmp, "off", tmp / "cache")
-    on = _train(tmp, "on", tmp / "cache", "audit.every=1", "audit.mini_batch=last", "audit.delta=1e-6",
-                "audit.probe_tokens=2", "audit.step_scales=[1.0]")
-    return off, on
+    return _train(tmp, "off", tmp / "cache", *extra), _train(tmp, "on", tmp / "cache", *extra, *AUDIT_LAST)
+
+
+@pytest.fixture(scope="module")
+def stale_runs(tmp_path_factory):
+    return _off_and_on(tmp_path_factory, "stale")
+
+
+@pytest.fixture(scope="module")
+def stale_runs_two_ranks(tmp_path_factory):
+    """The same pair on two FSDP2 ranks (gloo): each rank audits its rows of mini-batch j."""
+    return _off_and_on(tmp_path_factory, "stale2", "launch.nproc_per_node=2")
 
 
 def _lines(path: Path) -> list[dict]:
@@ -239,10 +250,20 @@ def _flatten(obj, prefix=""):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_audit_at_the_last_mini_batch_leaves_the_run_identical(stale_runs):
-    off, on = stale_runs
+    _assert_identical(*stale_runs, ranks=1)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_audit_at_the_last_mini_batch_leaves_a_two_rank_fsdp2_run_identical(stale_runs_two_ranks):
+    _assert_identical(*stale_runs_two_ranks, ranks=2)
+
+
+def _assert_identical(off: Path, on: Path, ranks: int) -> None:
     audit = _lines(on / "audit.jsonl")
     assert [(r["step"], r["mini_batch"]) for r in audit] == [(1, 3), (2, 3)]
-    assert all(r["outside"] > 0 and len(r["state_fingerprint"]) == 1 for r in audit)
+    assert all(r["outside"] > 0 and len(r["state_fingerprint"]) == ranks for r in audit)
+    assert all(len(r["outside_tokens"]) == ranks for r in audit)
     a, b = _lines(off / "metrics.jsonl"), _lines(on / "metrics.jsonl")
     assert [r["step"] for r in a] == [r["step"] for r in b]
     skip = ("time/", "mem/", "audit/")

@@ -183,7 +183,8 @@ def run_live_audit(stage: LiveAuditStage, *, rules, cfg: LiveAuditConfig, mask_c
     ``regime``, ``step_scales`` (scale → ``step_scale_record``), ``probe`` (``own_update_probe``'s
     keys), ``decomposition`` (rule → ``step_decomposition``'s keys), ``host_snapshot_bytes``,
     ``state_fingerprint`` (every rank's ``state_fingerprint`` of the snapshotted parameters, in rank
-    order: a check that the audit saw the state it claims), ``time/probe_s``. A step that raises
+    order: a check that the audit saw the state it claims), ``time/probe_s``, ``outside_tokens``
+    (per rank, ``outside_token_rows``: the outside tokens with ids, keeps and ΔD per rule). A step that raises
     (a non-finite update) restores the snapshot before the error propagates.
     """
 
@@ -227,7 +228,8 @@ def _idle_record(rules, before: Tensor, advantages: Tensor | None, mu_tail: Tens
     gathered = gather_objects((n, before.detach().double().cpu(), considered, tail))
     d_all = torch.cat([g[1] for g in gathered])
     tokens = sum(g[0] for g in gathered)
-    record.update(tokens=tokens, zero_advantage=sum(int((~g[2]).sum()) for g in gathered), idle=True, peak_d=peak)
+    record.update(tokens=tokens, zero_advantage=sum(int((~g[2]).sum()) for g in gathered), idle=True, peak_d=peak,
+                  outside_tokens=[])
     if d_all.numel():
         all_none = torch.zeros(d_all.numel(), dtype=torch.bool)
         tails = [g[3] for g in gathered]
@@ -244,6 +246,26 @@ def _idle_record(rules, before: Tensor, advantages: Tensor | None, mu_tail: Tens
     record.update({"rules": list(rules), "delta": delta, "tolerance": cfg.tolerance, "ranks": len(gathered),
                    "host_snapshot_bytes": 0, "state_fingerprint": list(fingerprint), "time/probe_s": 0.0})
     return record
+
+
+def outside_token_rows(stage, rules, outside: Tensor, d: Tensor, adv: Tensor, keep: dict, dd: dict,
+                       memory: Tensor | None) -> dict:
+    """This rank's outside tokens, one entry per token in each list (SPEC §6d's per-token records):
+    ``index`` (into the audited tokens), ``token_id`` (the stage's ``token_ids``; null where it has
+    none), ``seq``/``col`` (the stage's ``token_seq``/``token_col`` where it has them), D at θ₀,
+    Â, and per rule its keep and ΔD at the run's step, and ΔD of the momentum-only step — what
+    ``mechanism``'s selection controls re-score, token by token."""
+    idx = outside.nonzero(as_tuple=True)[0]
+
+    def pick(name):
+        t = getattr(stage, name, None)
+        return None if t is None else [int(x) for x in t.reshape(-1)[idx].tolist()]
+
+    return {"index": idx.tolist(), "token_id": pick("token_ids"), "seq": pick("token_seq"), "col": pick("token_col"),
+            "d": d.double()[idx].tolist(), "advantage": adv.double()[idx].tolist(),
+            "keep": {r: keep[r][idx].bool().tolist() for r in rules},
+            "dd": {r: dd[r].double()[idx].tolist() for r in rules},
+            "momentum_dd": None if memory is None else memory.double().cpu()[idx].tolist()}
 
 
 def state_fingerprint(params) -> str:
@@ -313,6 +335,9 @@ def _audit_from_snapshot(stage, snapshot, rules, cfg, mask_cfg, delta, contexts,
                 memory=memory[1.0][rows].cpu())
     probe_s = time.perf_counter() - t_probe
 
+    local["outside_tokens"] = outside_token_rows(stage, rules, outside.cpu(), before.cpu(), adv.cpu(),
+                                                 {r: keep[r].cpu() for r in rules},
+                                                 {r: dd[1.0][r].cpu() for r in rules}, memory.get(1.0))
     tokens = {"d": before.cpu(), "outside": outside.cpu(), "considered": considered.cpu(),
               "mu_tail": first.mu_tail.double().cpu(), "d32": first.topk_kl.double().cpu(),
               "keep": {r: keep[r].cpu() for r in rules}, "dd": {s: {r: x.cpu() for r, x in v.items()} for s, v in dd.items()},
@@ -320,7 +345,8 @@ def _audit_from_snapshot(stage, snapshot, rules, cfg, mask_cfg, delta, contexts,
     gathered = gather_objects((local, tokens, probe, decomp))
     record = merge_records([g[0] for g in gathered])
     record.update(tokens=sum(g[0]["tokens"] for g in gathered),
-                  zero_advantage=sum(g[0]["zero_advantage"] for g in gathered))
+                  zero_advantage=sum(g[0]["zero_advantage"] for g in gathered),
+                  outside_tokens=[{"rank": i, **g[0]["outside_tokens"]} for i, g in enumerate(gathered)])
     contexts_all = sum(g[0]["contexts"] for g in gathered)
     cat = lambda f: torch.cat([f(g[1]) for g in gathered])  # noqa: E731
     if cat(lambda t: t["d32"]).numel():

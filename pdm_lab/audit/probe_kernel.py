@@ -17,6 +17,11 @@ from torch import Tensor
 from pdm_lab.errors import PDMInputError, check_tensor
 
 
+def _local_bytes(p: Tensor) -> int:
+    t = p.to_local() if hasattr(p, "to_local") else p
+    return t.numel() * t.element_size()
+
+
 @runtime_checkable
 class LogitKernel(Protocol):
     """What a stage (toy, loop, TRL) supplies for the own-update probe."""
@@ -148,33 +153,97 @@ class InPlaceKernel:
     Collective: every rank calls ``kernel_v``/``directional`` at once (with its own rows, possibly
     none). A backward under FSDP averages the ranks' gradients, so J_tᵀv_t is taken one rank's row
     at a time (the others pass v = 0) and multiplied by the world size.
+
+    The kernel is a view at one θ (the audit's θ₀: every call leaves the parameters bit-exactly
+    there), so the logits at θ and each row's pullback J_tᵀv_t are computed once and reused — the
+    probe asks for K v and J P Jᵀ v, and the decomposition for J P' Jᵀ v with each rule's P', of
+    the same v — as long as the pullbacks fit in ``pullback_cache_bytes`` (per rank).
     """
 
     def __init__(self, params: list[Tensor], logits_fn: Callable[[], Tensor], *,
                  preconditioner: list[Tensor] | None = None, head_fn=None, unembedding: Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, pullback_cache_bytes: int = 2 ** 30,
+                 row_logits_fn: Callable[[int | None], Tensor] | None = None):
         self.params, self.logits_fn = params, logits_fn
         self.preconditioner, self.head_fn, self._unembedding = preconditioner, head_fn, unembedding
         self.compute_dtype = compute_dtype
+        self.pullback_cache_bytes = pullback_cache_bytes
+        #: ``row_logits_fn(t) -> [1, V]``: probed row t's logits from a forward of its own sequence
+        #: alone (None: any one sequence of this rank, for a rank that only joins the collective).
+        #: ``kernel_v`` then forwards one sequence per pass instead of every probed one.
+        self.row_logits_fn = row_logits_fn
+        self._base: Tensor | None = None
+        self._row_base: dict[tuple[int, int], tuple[int | None, Tensor]] = {}
+        self._pullbacks: dict[tuple[int, int], tuple[int | None, Tensor | None, list[Tensor]]] = {}
+        self.passes = {"forward": 0, "backward": 0}  # what the probe cost (forwards, backwards)
+
+    def _logits_at_theta(self) -> Tensor:
+        if self._base is None:
+            with torch.no_grad():
+                self._base = self.logits_fn().double()
+            self.passes["forward"] += 1
+        return self._base
+
+    def _row_view(self, owner: int, i: int, row: int | None
+                  ) -> tuple[Callable[[], Tensor], Callable[[], Tensor], int | None]:
+        """(forward, its logits at θ, the row of ``row`` in the forward's output) for the owner's i-th
+        probed row: a forward of its own sequence where ``row_logits_fn`` is given, else of every
+        probed row. Collective: the logits at θ are cached per (owner, i), and every rank agrees on
+        hit or miss, since under FSDP a forward on one rank is a forward on all."""
+        if self.row_logits_fn is None:
+            return self.logits_fn, self._logits_at_theta, row
+
+        def forward() -> Tensor:
+            return self.row_logits_fn(row)
+
+        def base() -> Tensor:
+            cached = self._row_base.get((owner, i))
+            if self._all_agree(cached is not None and (row is None or cached[0] == row)):
+                return cached[1]
+            with torch.no_grad():
+                z = forward().double()
+            self.passes["forward"] += 1
+            self._row_base[(owner, i)] = (row, z)
+            return z
+
+        return forward, base, None if row is None else 0
+
+    def _all_agree(self, *flags: bool) -> bool | tuple[bool, ...]:
+        """Each flag AND-ed over the ranks (one collective): a cache is used only where every rank has it."""
+        from pdm_lab.audit.central_difference import _world
+
+        device = (self.params[0].to_local() if hasattr(self.params[0], "to_local") else self.params[0]).device
+        both = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)  # nccl: device tensors
+        if _world() > 1:
+            torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN)
+        out = tuple(bool(x) for x in both.cpu())
+        return out[0] if len(out) == 1 else out
 
     def directional(self, u: list[Tensor]) -> Tensor:
         """[M, V] J u for this rank's probed rows along the parameter direction u (collective)."""
+        return self._directional(self.logits_fn, self._logits_at_theta, u)
+
+    def _directional(self, forward: Callable[[], Tensor], base_fn: Callable[[], Tensor], u: list[Tensor]) -> Tensor:
         from pdm_lab.audit.central_difference import central_difference, choose_eps
 
-        with torch.no_grad():
-            base = self.logits_fn().double()
-        eps = choose_eps(self.params, u, self.logits_fn, base, self.compute_dtype)
+        base = base_fn()
+        eps = choose_eps(self.params, u, forward, base, self.compute_dtype)
+        self.passes["forward"] += 1 if eps == 0.0 else 3
         if eps == 0.0:
             return torch.zeros_like(base)
-        return central_difference(self.params, u, self.logits_fn, eps)
+        return central_difference(self.params, u, forward, eps)
 
-    def _pullback(self, row: int | None, v_row: Tensor | None) -> list[Tensor]:
+    def _pullback(self, row: int | None, v_row: Tensor | None, forward: Callable[[], Tensor] | None = None,
+                  index: int | None = None) -> list[Tensor]:
         from pdm_lab.audit.central_difference import _world
 
         for p in self.params:
             p.grad = None
-        z = self.logits_fn()
-        target = (z[row] * v_row.to(z.dtype)).sum() if row is not None else (z * 0.0).sum()
+        self.passes["forward"] += 1
+        self.passes["backward"] += 1
+        z = (forward or self.logits_fn)()
+        at = row if forward is None else index
+        target = (z[at] * v_row.to(z.dtype)).sum() if row is not None else (z * 0.0).sum()
         (target * _world()).backward()  # FSDP averages over ranks: ×world gives this rank's row alone
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self.params]
         for p in self.params:
@@ -197,12 +266,31 @@ class InPlaceKernel:
         for owner in range(counts.numel()):
             for i in range(int(counts[owner])):
                 mine = owner == rank
-                g = self._pullback(int(rows[i]) if mine else None, v[i] if mine else None)
+                row = int(rows[i]) if mine else None
+                forward, base, at = self._row_view(owner, i, row)
+                g = self._cached_pullback(owner, i, row, v[i] if mine else None, forward, at)
                 u = g if scale is None else [x * q for x, q in zip(g, scale)]
-                moved = self.directional(u)
+                moved = self._directional(forward, base, u)
                 if mine:
-                    out[i] = moved[int(rows[i])].cpu()
+                    out[i] = moved[at].cpu()
         return out
+
+    def _cached_pullback(self, owner: int, i: int, row: int | None, v_row: Tensor | None,
+                         forward: Callable[[], Tensor] | None = None, at: int | None = None) -> list[Tensor]:
+        """``_pullback`` of the owner's i-th row, from the cache when every rank holds it (the owner
+        for the same row and v). Collective: the ranks agree on hit or miss, since under FSDP each
+        holds its own shard of the owner's J_tᵀv_t."""
+        key = (owner, i)
+        cached = self._pullbacks.get(key)
+        hit = cached is not None and (row is None or (cached[0] == row and torch.equal(cached[1], v_row)))
+        room = (len(self._pullbacks) + 1) * sum(_local_bytes(p) for p in self.params) <= self.pullback_cache_bytes
+        hit, room = self._all_agree(hit, room)
+        if hit:
+            return cached[2]
+        grads = self._pullback(row, v_row, None if forward is self.logits_fn else forward, at)
+        if room:
+            self._pullbacks[key] = (row, None if v_row is None else v_row.clone(), grads)
+        return grads
 
     def head_kernel_v(self, rows: Tensor, v: Tensor) -> Tensor | None:
         return None if self.head_fn is None else self.head_fn(rows, v)

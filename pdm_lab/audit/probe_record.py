@@ -48,7 +48,12 @@ def step_scale_record(rules: Sequence[str], keep: dict[str, Tensor], delta_d: di
 
     Returns ``steps/lr_scale``, ``steps/disagreement``, ``steps/unsafe_keep/<rule>`` (``delta_rates``
     with a Wilson 95% ``lo``/``hi``), ``steps/control/kept_by_all``, ``steps/control/momentum_only``,
-    ``steps/median_abs_dd_over_d`` and ``steps/median_abs_dd_over_d_momentum`` ({value, lo, hi, n}).
+    ``steps/median_abs_dd_over_d`` and ``steps/median_abs_dd_over_d_momentum`` ({value, lo, hi, n}),
+    and SPEC §6d's selection controls ``steps/selection/<rule>/reference_step`` and
+    ``steps/selection/<rule>/momentum_only``: the same kept disagreement tokens of each rule scored
+    under one common step (the reference rule's, and the momentum-only step). A rule whose kept
+    tokens grow less often under the common step too keeps different tokens (selection); one whose
+    kept tokens grow as often there as under the other rule's kept tokens changes the step itself.
     """
     outside = outside.bool()
     masks = [keep[r].bool() for r in rules]
@@ -58,6 +63,9 @@ def step_scale_record(rules: Sequence[str], keep: dict[str, Tensor], delta_d: di
     out: dict[str, Any] = {"steps/lr_scale": float(lr_scale), "steps/disagreement": int(disagree.sum())}
     for rule, m in zip(rules, masks):
         out[f"steps/unsafe_keep/{rule}"] = _with_ci(delta_rates(delta_d[rule].double(), disagree & m, tol))
+        out[f"steps/selection/{rule}/reference_step"] = _with_ci(delta_rates(delta_d[ref].double(), disagree & m, tol))
+        if memory is not None:
+            out[f"steps/selection/{rule}/momentum_only"] = _with_ci(delta_rates(memory.double(), disagree & m, tol))
     all_kept = outside & torch.stack(masks).all(0)
     out["steps/control/kept_by_all"] = _with_ci(delta_rates(delta_d[ref].double(), all_kept, tol))
     ratio = delta_d[ref].double().abs()[outside] / d.double()[outside].clamp(min=1e-300)

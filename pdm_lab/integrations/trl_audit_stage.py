@@ -46,7 +46,7 @@ def batch_rows(batch: dict, lo: int, hi: int) -> dict:
     return {key: batch[key][lo:hi] for key in BATCH_KEYS}
 
 
-@torch.no_grad()
+@torch.no_grad()  # read only (the audit runs under enable_grad): no graph, no checkpointed recompute
 def measured_divergence(trainer, model, inputs: dict) -> tuple[Tensor, Tensor]:
     """([n] top-K KL D(μ‖π), [n] μ_T) of the completion tokens in float64 (μ's support as the rules build it,
     then cast; the logits cast before the softmax; π over the engine's sampling set when the
