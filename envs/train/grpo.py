@@ -30,7 +30,8 @@ from pdm_lab.envs.policies.models import POLICY_KINDS, make_policy
 from pdm_lab.envs.problems.problem import ProblemConfig, make_problem
 from pdm_lab.lab.records import JsonlWriter
 from pdm_lab.envs.problems.rollout import RolloutRNG
-from pdm_lab.masks import outside_region
+from pdm_lab.mask_registry import get_mask_rule
+from pdm_lab.masks import compute_mask, outside_region
 from pdm_lab.envs.train.update import current_stats, masked_loss, token_batch
 
 OPTIMIZERS = ("adam", "sgd", "adamw")
@@ -176,6 +177,7 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
     optimizer = make_optimizer(cfg.optimizer, policy.parameters(), cfg.lr)
     mismatch = Mismatch.parse(cfg.mismatch)
     minibatches = max(cfg.minibatches, mismatch.stale_steps)
+    rule = get_mask_rule(cfg.mask.rule)
     rng = RolloutRNG(cfg.seed)
     initial_reward = problem.evaluate(policy, cfg.seed, num_sequences=cfg.eval_sequences)
     curve: list[float] = []
@@ -193,8 +195,14 @@ def train(cfg: TrainConfig, *, log_path: str | Path | None = None, on_step=None)
             resp = tokens.response_mask.reshape(-1)
 
             # 2. realised mismatch μ vs π at rollout time (before any update on this batch)
-            stats0 = current_stats(policy, tokens)
-            parts = [as_mismatch(step_metric_sums(stats0, None, tokens.advantages.reshape(-1), resp, cfg.mask))]
+            stats0 = current_stats(policy, tokens, binary=rule.binary_stats)
+            adv0 = torch.where(resp, tokens.advantages.reshape(-1).to(stats0.ratio.dtype), 0.0)
+            # the mask at θ₀ (verl's rollout_rs_* keys) and (B, T) for the per-sequence keys, so the toys
+            # log verl's rollout_corr/* set as the loop's first mini-batch does; a rule that needs c_t or
+            # h_t from the model has no mask before its loss call (those two keys are then absent)
+            keep0 = None if set(rule.needs) - {"full"} else compute_mask(cfg.mask, stats0, adv0, tokens.response_mask)
+            parts = [as_mismatch(step_metric_sums(stats0, keep0, tokens.advantages.reshape(-1), resp, cfg.mask,
+                                                  layout=tuple(tokens.response_mask.shape)))]
 
             # 3. E epochs × M mini-batches of masked policy-gradient steps
             for _epoch in range(cfg.epochs):

@@ -124,13 +124,14 @@ def masked_loss(policy, tokens: TokenBatch, cfg: MaskConfig, *, full: bool | Non
 
 
 @torch.no_grad()
-def current_stats(policy, tokens: TokenBatch, *, full: bool = True) -> TokenStats:
-    """The core's per-token statistics (D, Ḋ, r, tails; full KL and exact Ḋ if ``full``)."""
+def current_stats(policy, tokens: TokenBatch, *, full: bool = True, binary: bool = False) -> TokenStats:
+    """The core's per-token statistics (D, Ḋ, r, tails; full KL and exact Ḋ if ``full``; DPPO's
+    binary divergences if ``binary``)."""
     logits = policy(tokens.obs)
     pi = policy_on_support(logits, tokens.support.ids)
     if not full:
-        return token_stats(tokens.support, pi)
+        return token_stats(tokens.support, pi, binary=binary)
     return token_stats(tokens.support, pi, mu_full=tokens.mu_full,
-                       pi_full=torch.log_softmax(logits, dim=-1))
+                       pi_full=torch.log_softmax(logits, dim=-1), binary=binary)
 
 

@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from pdm_lab.lab.machine import machine_info, machine_line
-from pdm_lab.audit.intervals import paired_rate_diff_ci, rate_diff_ci
+from pdm_lab.audit.intervals import paired_rate_diff_ci, rate_diff_ci, wilson_ci
 from pdm_lab.audit.probe import pool_decomposition, pool_probe
 
 from pdm_lab.envs.transfer.step_matched import pooled_step_scales
@@ -108,7 +108,42 @@ def mechanism_doc(lines: list[dict], run_names: list[str]) -> dict:
             "outside_tokens": sum(int(ln.get("outside") or 0) for ln in lines),
             "probe": _no_data(probe), "decomposition": decomposition, "step_scales": scales,
             "pairs": rule_pairs(rules, probe, scales),
-            "kernel_b_over_a": _b_over_a((probe or {}).get("probe/kernel_fit"))}
+            "kernel_b_over_a": _b_over_a((probe or {}).get("probe/kernel_fit")),
+            "disagreement_share": disagreement_share(lines, scales),
+            "decisions": outside_decisions(lines, rules),
+            "per_seed": per_seed_rows(lines, rules)}
+
+
+def outside_decisions(lines: list[dict], rules: list[str]) -> dict | None:
+    """How the rules decide the outside tokens, from the records' per-token rows (``outside_tokens``):
+    for Â > 0 and Â < 0, the tokens every rule keeps, every rule drops, and those the rules decide
+    differently. None where no line carries per-token rows (records written before they existed).
+
+    Why: where the outside set comes from staleness, an outside token is mostly one that the
+    earlier mini-batches pushed along its own advantage — r − 1 and Ḋ then share Â's sign and
+    both tests drop it — so the disagreement tokens a verdict needs are a small share."""
+    per_rank = [rows for ln in lines for rows in (ln.get("outside_tokens") or [])]
+    if not per_rank:
+        return None
+    counts = {side: {"kept_by_all": 0, "dropped_by_all": 0, "differ": 0} for side in ("positive", "negative")}
+    for rows in per_rank:
+        for i, adv in enumerate(rows["advantage"]):
+            keeps = [bool(rows["keep"][r][i]) for r in rules]
+            what = "kept_by_all" if all(keeps) else "dropped_by_all" if not any(keeps) else "differ"
+            counts["positive" if adv > 0 else "negative"][what] += 1
+    total = sum(sum(c.values()) for c in counts.values())
+    return {"tokens": total, **counts}
+
+
+def disagreement_share(lines: list[dict], scales: dict) -> dict:
+    """How often the compared rules decide an outside token differently at the run's step: the
+    disagreement tokens over the outside tokens, Wilson 95%. Where it is 0 the rules are one mask
+    on these tokens, and no unsafe-keep difference can exist however many steps are audited."""
+    outside = sum(int(ln.get("outside") or 0) for ln in lines)
+    disagreement = int((scales.get("1") or {}).get("disagreement") or 0)
+    lo, hi = wilson_ci(disagreement, outside)
+    return {"disagreement": disagreement, "outside": outside, "share": disagreement / outside if outside else math.nan,
+            "lo": lo, "hi": hi}
 
 
 def step_records(doc: dict) -> dict:
@@ -139,6 +174,11 @@ def mechanism_markdown(doc: dict) -> str:
            f"outside tokens. ΔD of the top-K KL; intervals 95% (Wilson for rates, paired Wald for "
            "differences, bootstrap for shares, order statistics for medians).", "",
            f"Pooled on {machine_line(doc.get('machine'))} (the runs' own machine is in their run folders).", ""]
+    share = doc.get("disagreement_share")
+    if share and share["outside"]:
+        out += [f"The rules decide differently on {share['disagreement']} of {share['outside']} outside tokens: "
+                f"{_pct(share['share'])} [{_pct(share['lo'])}, {_pct(share['hi'])}] (Wilson 95%).", ""]
+    out += decisions_markdown(doc)
     mb = doc.get("mini_batches")
     if mb:
         js = ", ".join(str(j) for j in mb["mini_batch"])
@@ -202,10 +242,79 @@ def mechanism_markdown(doc: dict) -> str:
         out += ["", f"`{b}` − `{a}` (Newcombe 95%): " + "; ".join(
             f"×{doc['step_scales'][k]['lr_scale']:g} {_pct(d['diff'])} [{_pct(d['lo'])}, {_pct(d['hi'])}]"
             for k, d in sorted(e["unsafe_keep_diff"].items(), key=lambda kv: -doc["step_scales"][kv[0]]["lr_scale"]))]
+    out += selection_markdown(doc)
+    out += per_seed_markdown(doc)
     out += ["", "A direction test can matter only where the median |ΔD|/D is well below 1 (first order); above "
             "it the step overshoots whatever the mask. The median |ΔD|/D of several steps is the median of "
             "their medians.", ""]
     return "\n".join(out)
+
+
+def decisions_markdown(doc: dict) -> list[str]:
+    dec = doc.get("decisions")
+    if not dec or not dec["tokens"]:
+        return []
+    out = ["| outside tokens | kept by every rule | dropped by every rule | rules differ |", "| --- | ---: | ---: | ---: |"]
+    for side, label in (("positive", "Â > 0"), ("negative", "Â < 0")):
+        c = dec[side]
+        n = sum(c.values())
+        out.append(f"| {label} ({n}) | " + " | ".join(
+            f"{c[k]} ({_pct(c[k] / n) if n else 'n/a'})" for k in ("kept_by_all", "dropped_by_all", "differ")) + " |")
+    return out + [""]
+
+
+def selection_markdown(doc: dict) -> list[str]:
+    """SPEC §6d's selection controls at each step size: each rule's kept disagreement tokens under
+    its own step (its unsafe-keep), under the reference rule's step and under the momentum-only step."""
+    rules = doc["rules"]
+    rows = [r for r in sorted(doc["step_scales"].values(), key=lambda r: -r["lr_scale"]) if r.get("selection")]
+    if not rows:
+        return []
+    out = ["", f"## Which tokens, or what the mask does? (SPEC §6d's selection controls; reference `{rules[0]}`)", "",
+           "Each rule's kept disagreement tokens scored under three steps: its own (its unsafe-keep), the reference "
+           "rule's (one common batch gradient) and the momentum-only step (Â = 0). If a rule's kept tokens grow "
+           "less often under the common steps too, the gap comes from *which* tokens it keeps (selection); if they "
+           "grow as often there as the other rule's, it comes from what its mask changes in the step.", "",
+           "| × the run's step | rule | own step | reference rule's step | momentum only |", "| --- | --- | --- | --- | --- |"]
+    for row in rows:
+        for r in rules:
+            own, sel = row[r], row["selection"][r]
+            out.append(f"| {row['lr_scale']:g} | {r} | {_rate(own)} | {_rate(sel['reference_step'])} | "
+                       f"{_rate(sel['momentum_only'])} |")
+    return out
+
+
+def per_seed_rows(lines: list[dict], rules: list[str]) -> list[dict]:
+    """Per seed at the run's own step (scale 1): disagreement tokens and each rule's unsafe-keep
+    (grew, n), from that seed's audit lines alone — the spread a pooled figure hides."""
+    seeds = sorted({ln.get("seed", 0) for ln in lines})
+    out = []
+    for seed in seeds:
+        own = [ln.get("step_scales") for ln in lines if ln.get("seed", 0) == seed]
+        row = pooled_step_scales(own, rules).get("1")
+        if row is None:
+            continue
+        out.append({"seed": seed, "audited_steps": len(own), "disagreement": row["disagreement"],
+                    **{r: {"grew": row[r]["grew"], "n": row[r]["n"], "rate": row[r]["rate"]} for r in rules}})
+    return out
+
+
+def per_seed_markdown(doc: dict) -> list[str]:
+    rows, rules = doc.get("per_seed") or [], doc["rules"]
+    if len(rows) < 1:
+        return []
+    out = ["", f"## Per seed at the run's step ({len(rows)} seeds)", "",
+           "| seed | audited mini-batches | disagreement | " + " | ".join(rules) + " |",
+           "| --- | --- | --- | " + " | ".join("---" for _ in rules) + " |"]
+    for row in rows:
+        out.append(f"| {row['seed']} | {row['audited_steps']} | {row['disagreement']} | " + " | ".join(
+            f"{_pct(row[r]['rate'])} ({row[r]['grew']}/{row[r]['n']})" for r in rules) + " |")
+    diffs = [row[rules[1]]["rate"] - row[rules[0]]["rate"] for row in rows
+             if len(rules) > 1 and row[rules[0]]["n"] and row[rules[1]]["n"]]
+    if diffs:
+        out += ["", f"`{rules[1]}` − `{rules[0]}` per seed: " + ", ".join(_pct(d) for d in diffs) +
+                f" (range {_pct(min(diffs))} to {_pct(max(diffs))} over {len(diffs)} seeds with tokens on both sides)"]
+    return out
 
 
 def write_mechanism(run_dirs: list[Path], out: Path) -> dict:

@@ -21,6 +21,9 @@ from pdm_lab.audit.intervals import rate_diff_ci, wilson_ci
 
 from pdm_lab.envs.transfer.faithful import outcome
 
+#: The common steps SPEC §6d's selection controls score each rule's kept disagreement tokens under.
+SELECTION_STEPS = ("reference_step", "momentum_only")
+
 STEP_TOLERANCE = 3.0  # a toy scale within this factor of the run's |ΔD|/D counts as matched
 
 
@@ -48,6 +51,9 @@ def pooled_step_scales(records: list[dict], rules) -> dict:
             row[rule] = _rates([e[f"steps/unsafe_keep/{rule}"] for e in entries if f"steps/unsafe_keep/{rule}" in e])
         for control in ("kept_by_all", "momentum_only"):
             row[control] = _rates([e[f"steps/control/{control}"] for e in entries if f"steps/control/{control}" in e])
+        row["selection"] = {rule: {step: _rates([e[k] for e in entries if k in e])
+                                   for step in SELECTION_STEPS for k in [f"steps/selection/{rule}/{step}"]}
+                            for rule in rules}
         medians = [e["steps/median_abs_dd_over_d"]["value"] for e in entries
                    if (e.get("steps/median_abs_dd_over_d") or {}).get("n")]
         medians = [m for m in medians if m is not None and not math.isnan(m)]
