@@ -2,9 +2,11 @@
 
     .venv-trl/bin/python tests_frameworks/trl/bench_trl_step.py [--steps N] [--repeats R]
 
-Prints the median seconds per optimizer step of plain ``GRPOTrainer`` (loss_type dapo) and of
-``PDMGRPOTrainer`` (rule pdm_topk, K = 20), interleaved runs, and their ratio. Not a test: a
-measurement (no timed assertion anywhere)."""
+Prints the median seconds per optimizer step of plain ``GRPOTrainer`` (loss_type dapo), of
+``PDMGRPOTrainer`` (rule pdm_topk, K = 20) and of ``PDMGRPOTrainer`` with the live audit on every
+step (``LiveAuditConfig(every=1)``; HF generate, so μ = π and every audit is idle: one forward, no
+snapshot), interleaved runs, their ratio, and the audit's median share of its step (its own
+``pdm/time/audit_s``). Not a test: a measurement (no timed assertion anywhere)."""
 from __future__ import annotations
 
 import argparse
@@ -26,7 +28,7 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     import test_trl_trainer as t
-    from pdm_lab import MaskConfig
+    from pdm_lab import LiveAuditConfig, MaskConfig
     from pdm_lab.integrations.trl import PDMGRPOTrainer
 
     class StepTimer(TrainerCallback):
@@ -43,7 +45,9 @@ def main() -> None:
         tiny = Path(tmp) / "tiny"
         tiny.mkdir()
         t.build_tiny(tiny)
-        results = {"GRPOTrainer (dapo)": [], "PDMGRPOTrainer (pdm_topk, K=20)": []}
+        audited = "PDMGRPOTrainer + idle audit every step"
+        results = {"GRPOTrainer (dapo)": [], "PDMGRPOTrainer (pdm_topk, K=20)": [], audited: []}
+        shares: list[float] = []
         for _ in range(args.repeats):
             for name in results:
                 cfg = GRPOConfig(output_dir=str(Path(tmp) / "out"), per_device_train_batch_size=8, num_generations=4,
@@ -53,14 +57,22 @@ def main() -> None:
                 timer = StepTimer()
                 kwargs = dict(model=str(tiny), reward_funcs=t._reward, args=cfg, train_dataset=t._dataset(32),
                               callbacks=[timer])
-                trainer = (PDMGRPOTrainer(**kwargs, mask=MaskConfig(rule="pdm_topk", k=20)) if name.startswith("PDM")
+                mask = MaskConfig(rule="pdm_topk", k=20)
+                trainer = (PDMGRPOTrainer(**kwargs, mask=mask, audit=LiveAuditConfig(every=1, probe_tokens=8))
+                           if name == audited else PDMGRPOTrainer(**kwargs, mask=mask) if name.startswith("PDM")
                            else GRPOTrainer(**kwargs))
                 trainer.train()
                 results[name].extend(timer.times[1:])  # first step: warm-up
+                if name == audited:
+                    audit_s = [e["pdm/time/audit_s"] for e in trainer.state.log_history if "pdm/time/audit_s" in e]
+                    shares.extend(a / s for a, s in zip(audit_s[1:], timer.times[1:]))
         base = statistics.median(results["GRPOTrainer (dapo)"])
         for name, times in results.items():
             med = statistics.median(times)
-            print(f"{name:34s} median {med * 1e3:8.1f} ms/step over {len(times)} steps  ratio {med / base:.3f}")
+            print(f"{name:40s} median {med * 1e3:8.1f} ms/step over {len(times)} steps  ratio {med / base:.3f}")
+        if shares:
+            print(f"idle audit's share of its step: median {statistics.median(shares):.3f} "
+                  f"(range {min(shares):.3f} to {max(shares):.3f}, {len(shares)} steps)")
 
 
 if __name__ == "__main__":

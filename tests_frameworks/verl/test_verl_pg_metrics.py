@@ -91,3 +91,60 @@ def test_no_rollout_is_keys_without_a_threshold_and_verls_is_variants_refused_by
         get_policy_loss_fn(f"{LOSS_PREFIX}dppo_binary_tv")(
             old_log_prob=old, log_prob=new, advantages=adv, response_mask=resp, loss_agg_mode="token-mean",
             config=cfg, rollout_is_weights=torch.ones(B, T, dtype=torch.float64))
+
+
+def _bypass(**corr):
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    return RolloutCorrectionConfig(bypass_mode=True, **corr)
+
+
+@pytest.mark.parametrize("corr", [dict(rollout_is="sequence", rollout_is_threshold=2.0),
+                                  dict(rollout_is="token", rollout_is_threshold="0.5_2.0"),
+                                  dict(rollout_is=None, rollout_rs="token_k1", rollout_rs_threshold="0.6_1.5"),
+                                  dict(rollout_is="sequence", rollout_is_threshold=3.0, rollout_is_batch_normalize=True,
+                                       rollout_rs="seq_max_k2", rollout_rs_threshold=0.3)])
+def test_bypass_mode_rollout_corr_keys_are_verls_own_and_its_rejection_mask_applies(corr):
+    """verl's bypass loss (``loss_mode=bypass_mode``, ``loss_type=ppo_clip``) against pdm_lab's on
+    the same tensors and rollout-correction config: the same ``rollout_corr/*`` keys and values
+    (sequence TIS, two-sided thresholds, batch normalisation, rejection), and pdm_lab's mask acts
+    on the tokens verl's rejection kept."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    old, new, adv, resp = _tensors(2)
+    theirs_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
+                             policy_loss={"loss_mode": "bypass_mode", "rollout_correction": _bypass(**corr)})
+    _, theirs = get_policy_loss_fn("bypass_mode")(old_log_prob=old, log_prob=new, advantages=adv, response_mask=resp,
+                                                  loss_agg_mode="token-mean", config=theirs_cfg, rollout_is_weights=None)
+    rule = f"{LOSS_PREFIX}dppo_binary_tv"
+    ours_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                           policy_loss=PDMPolicyLossConfig(loss_mode=rule, mask={"delta": 0.2},
+                                                           rollout_correction=_bypass(**corr)))
+    loss, ours = get_policy_loss_fn(rule)(old_log_prob=old, log_prob=new, advantages=adv, response_mask=resp,
+                                          loss_agg_mode="token-mean", config=ours_cfg, rollout_is_weights=None)
+    corr_keys = {k for k in theirs if k.startswith("rollout_corr/")}
+    assert corr_keys and corr_keys == {k for k in ours if k.startswith("rollout_corr/")}
+    for key in corr_keys:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-12, abs=1e-12), key
+    if corr.get("rollout_is") == "sequence":
+        assert any("seq" in k for k in corr_keys)
+    _, kept, _ = compute_rollout_correction_and_rejection_mask(new, old, resp, rollout_is=None, rollout_rs=corr.get("rollout_rs"),
+                                                               rollout_rs_threshold=corr.get("rollout_rs_threshold"))
+    plain_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                            policy_loss=PDMPolicyLossConfig(loss_mode=rule, mask={"delta": 0.2}))
+    expected, plain = get_policy_loss_fn(rule)(old_log_prob=old, log_prob=new, advantages=adv, response_mask=kept.bool(),
+                                               loss_agg_mode="token-mean", config=plain_cfg, rollout_is_weights=None)
+    assert torch.equal(loss, expected)
+    if corr.get("rollout_rs"):
+        assert int(kept.sum()) < int(resp.sum())  # the rejection removed tokens, and the loss saw that
+    assert not any(k.startswith("rollout_corr/") for k in plain)  # no config, no verl keys
+
+
+def test_bypass_mode_reinforce_is_refused_by_name():
+    old, new, adv, resp = _tensors(3)
+    rule = f"{LOSS_PREFIX}dppo_binary_tv"
+    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                      policy_loss=PDMPolicyLossConfig(loss_mode=rule, rollout_correction=_bypass(loss_type="reinforce")))
+    with pytest.raises(ValueError, match="rollout_correction.loss_type='reinforce'"):
+        get_policy_loss_fn(rule)(old_log_prob=old, log_prob=new, advantages=adv, response_mask=resp,
+                                 loss_agg_mode="token-mean", config=cfg, rollout_is_weights=None)
