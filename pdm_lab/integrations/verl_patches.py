@@ -415,7 +415,7 @@ def topk_verl_loss(rule: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor
     if tuple(data["responses"].shape) != tuple(log_prob.shape):
         raise RuntimeError(f"{LOSS_PREFIX}{rule}: kept logits belong to a micro-batch of responses "
                            f"{tuple(data['responses'].shape)}, the loss got {tuple(log_prob.shape)}")
-    from pdm_lab.integrations.verl import verl_rollout_correction
+    from pdm_lab.integrations.verl_rollout_correction import verl_rollout_correction
 
     # the top-K loss takes its response mask from the kept batch: verl's rejection mask is refused
     _, corr_metrics = verl_rollout_correction(rule, config, old_log_prob, log_prob, response_mask,
