@@ -136,3 +136,21 @@ def test_trainer_reports_a_tail_ratio():
     torch.manual_seed(0)
     out = grpo.train(replace(TINY, mismatch="noise:1"))
     assert out["optimizer_steps"] == TINY.steps and out["update_tail_ratio"] > 1
+
+
+def test_the_summary_closing_line_counts_the_studys_separations():
+    """A separated pair in the strength study is a finding the summary's closing line names, with
+    the number of comparisons made (the planted bug: a report that looked only at its audits said
+    "no finding" beside a separated study)."""
+    from pdm_lab.envs.report.summary_table import summary_lines
+
+    separated = _study({("none", "none", 1): 0.5, ("pdm_topk", "none", 1): 0.5,
+                        ("none", "lognormal:1", 1): 0.2, ("pdm_topk", "lognormal:1", 1): 0.45})
+    assert strength.separation_count(separated) == (1, 4)  # reward and collapse at 2 points, 1 pair
+    text = "\n".join(summary_lines(separated, {}, None, None))
+    assert "Separated (the interval excludes 0): 1 of 4 rule-pair comparisons of the strength study" in text
+    assert "No finding" not in text
+    tied = _study({("none", "none", 1): 0.5, ("pdm_topk", "none", 1): 0.5,
+                   ("none", "lognormal:1", 1): 0.5, ("pdm_topk", "lognormal:1", 1): 0.5})
+    assert strength.separation_count(tied)[0] == 0
+    assert "No finding here has an interval that excludes 0." in "\n".join(summary_lines(tied, {}, None, None))

@@ -176,6 +176,14 @@ def first_separation(points: list[Point]) -> tuple[Point | None, list[Pair]]:
     return None, []
 
 
+def separation_count(rows: list[dict]) -> tuple[int, int]:
+    """(separated, compared): the rule-pair comparisons (reward and collapse rate, every point of
+    every axis) whose 95% interval excludes 0, and how many were made — at 95% about one in twenty
+    of the compared separate by chance, and no multiplicity correction is applied."""
+    found = [p.separated for pts in axes(rows).values() for point in pts for p in pairs(point)]
+    return sum(found), len(found)
+
+
 def powered_null(study: dict[str, list[Point]]) -> str | None:
     """One sentence when no pair separates at any realistic point: the tie with its detectable
     difference (None when there is no realistic point, or one separates)."""

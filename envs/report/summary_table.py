@@ -8,7 +8,7 @@ import math
 from pdm_lab.lab.evidence import MIN_SEEDS, collapse_measurable
 
 from pdm_lab.envs.report.criteria import REWARD, _by_config, decide
-from pdm_lab.envs.report.strength import summary_rows as strength_rows
+from pdm_lab.envs.report.strength import separation_count, summary_rows as strength_rows
 
 
 def _pct(x) -> str:
@@ -79,10 +79,15 @@ def summary_lines(rows: list[dict] | None, regime: dict[str, dict], audit: dict 
             test = _self_test_row(doc)
             if test:
                 lines.append(test)
-    decided = [d for d in (audit, stress_audit) if d is not None and _separated(d)]
-    lines += ["", ("Separated (the interval excludes 0): " + "; ".join(
-        f"`{d['config']['mismatch']}` ({_band(d.get('regime')).split(':')[0]})" for d in decided) + "."
-        if decided else "No finding here has an interval that excludes 0."), ""]
+    decided = [f"`{d['config']['mismatch']}` ({_band(d.get('regime')).split(':')[0]})"
+               for d in (audit, stress_audit) if d is not None and _separated(d)]
+    separated, compared = separation_count(rows) if rows else (0, 0)
+    if separated:
+        decided.insert(0, f"{separated} of {compared} rule-pair comparisons of the strength study (reward and collapse "
+                          f"rate at every point; at 95% about {0.05 * compared:.1f} separate by chance, and no "
+                          "multiplicity correction is applied: read them as leads)")
+    lines += ["", ("Separated (the interval excludes 0): " + "; ".join(decided) + "."
+                   if decided else "No finding here has an interval that excludes 0."), ""]
     return lines
 
 
