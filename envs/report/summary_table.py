@@ -83,7 +83,7 @@ def summary_lines(rows: list[dict] | None, regime: dict[str, dict], audit: dict 
                for d in (audit, stress_audit) if d is not None and _separated(d)]
     separated, compared = separation_count(rows) if rows else (0, 0)
     if separated:
-        decided.insert(0, f"{separated} of {compared} rule-pair comparisons of the strength study (reward and collapse "
+        decided.append(f"{separated} of {compared} rule-pair comparisons of the strength study (reward and collapse "
                           f"rate at every point; at 95% about {0.05 * compared:.1f} separate by chance, and no "
                           "multiplicity correction is applied: read them as leads)")
     lines += ["", ("Separated (the interval excludes 0): " + "; ".join(decided) + "."
