@@ -67,3 +67,39 @@ def test_a_token_near_or_past_delta_is_audited(just_past):
     stage = ToyStage([1e-4, just_past])
     record = _audit(stage)
     assert not record.get("idle") and stage.steps > 0
+
+
+def _measure_refused(stage):
+    def refuse():
+        raise AssertionError("the idle check ran a forward although the loss's D at θ₀ was given")
+
+    stage.measure = refuse
+    return stage
+
+
+def test_the_losss_own_divergence_makes_the_idle_check_free():
+    """With ``at_start`` (D at θ₀ from the trainer's own loss) an idle batch costs no forward: the
+    record says where its D came from and carries the loss's values in its regime."""
+    d = torch.tensor([1e-4, 2e-3, 0.01, 0.1], dtype=torch.float32)
+    stage = _measure_refused(ToyStage(d.double()))
+    record = run_live_audit(stage, rules=("dppo_topk_kl", "pdm_topk"), cfg=LiveAuditConfig(every=1, probe_tokens=0),
+                            mask_cfg=MaskConfig(rule="pdm_topk", delta=0.15), delta=0.15, contexts=4,
+                            at_start=live.LossDivergence(topk_kl=d, mu_tail=torch.full((4,), 0.01)))
+    assert record["idle"] and record["idle_check"] == "loss" and stage.steps == 0
+    assert record["peak_d"] == pytest.approx(0.1) and record["tokens"] == 4
+    assert _audit(ToyStage(d.double()))["idle_check"] == "forward"
+
+
+@pytest.mark.parametrize("near", [0.15 * 0.995, 0.2])
+def test_a_busy_batch_by_the_losss_divergence_is_measured_again_and_audited(near):
+    """The loss's D decides only "idle": a batch with a token near δ is re-measured in float64 by
+    the stage (its ΔD needs D before at full precision) and audited in full."""
+    d0 = torch.tensor([1e-4, near], dtype=torch.float64)
+    stage = ToyStage(d0)
+    calls = []
+    measure = stage.measure
+    stage.measure = lambda: calls.append(1) or measure()
+    record = run_live_audit(stage, rules=("dppo_topk_kl", "pdm_topk"), cfg=LiveAuditConfig(every=1, probe_tokens=0),
+                            mask_cfg=MaskConfig(rule="pdm_topk", delta=0.15), delta=0.15, contexts=4,
+                            at_start=live.LossDivergence(topk_kl=d0.float(), mu_tail=torch.full((2,), 0.01)))
+    assert not record.get("idle") and stage.steps > 0 and len(calls) >= 1

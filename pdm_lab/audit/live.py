@@ -168,8 +168,22 @@ class LiveAuditStage(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LossDivergence:
+    """D at θ₀ of a stage's audited tokens as the trainer's own loss computed them (its forward of
+    each row before the step, float32): what the idle check reads in place of a forward of its own.
+
+    Attributes:
+        topk_kl: [n] the loss's D(μ‖π) per audited token, in the stage's token order.
+        mu_tail: [n] μ_T of those tokens (the idle record's top-K mass).
+    """
+
+    topk_kl: Tensor
+    mu_tail: Tensor
+
+
 def run_live_audit(stage: LiveAuditStage, *, rules, cfg: LiveAuditConfig, mask_cfg, delta: float, contexts: int,
-                   seed: int = 0) -> dict:
+                   seed: int = 0, at_start: LossDivergence | None = None) -> dict:
     """SPEC §6c's audit of one live batch, once for every trainer: snapshot; D before; per step size
     and rule one step from the same θ and optimiser state, D after, restore; the momentum-only
     step (Â = 0) likewise; the outside set from the reference rule's stats; the own-update probe
@@ -177,32 +191,45 @@ def run_live_audit(stage: LiveAuditStage, *, rules, cfg: LiveAuditConfig, mask_c
     rank's record merged. Collective: every rank calls it at the same step.
 
     A batch with no token near δ (largest D at θ₀ ≤ ``IDLE_MARGIN``·δ on every rank) takes no snapshot
-    and no step: its record has the same keys, zero counts, ``idle`` true (``_idle_record``).
+    and no step: its record has the same keys, zero counts, ``idle`` true (``_idle_record``). With
+    ``at_start`` (every rank or none: the trainer's own loss already measured D at θ₀) the check
+    reads it and costs no forward; a batch it finds busy is measured again in float64 by the stage.
 
     Returns the record: ``step_record``'s keys at the run's step, ``tokens``, ``zero_advantage``,
     ``regime``, ``step_scales`` (scale → ``step_scale_record``), ``probe`` (``own_update_probe``'s
     keys), ``decomposition`` (rule → ``step_decomposition``'s keys), ``host_snapshot_bytes``,
     ``state_fingerprint`` (every rank's ``state_fingerprint`` of the snapshotted parameters, in rank
     order: a check that the audit saw the state it claims), ``time/probe_s``, ``outside_tokens``
-    (per rank, ``outside_token_rows``: the outside tokens with ids, keeps and ΔD per rule). A step that raises
-    (a non-finite update) restores the snapshot before the error propagates.
+    (per rank, ``outside_token_rows``: the outside tokens with ids, keeps and ΔD per rule). The snapshot
+    (parameters, gradients, optimiser state, RNG) is restored when the audit ends, also when a step
+    raises (a non-finite update) before the error propagates.
     """
 
     rules = tuple(dict.fromkeys(rules))
     probing = cfg.probe_tokens > 0
     fingerprint = gather_objects(state_fingerprint(stage.params))
+    if at_start is not None:  # the loss's own D at θ₀: "outside" is decided on exactly these values
+        peak = _peak(at_start.topk_kl)
+        if peak <= IDLE_MARGIN * delta:
+            return _idle_record(rules, at_start.topk_kl.double(), getattr(stage, "advantages", None),
+                                at_start.mu_tail, delta, cfg, contexts, fingerprint, peak, source="loss")
     before = stage.measure()  # D at θ₀ (float64, collective): read only, so before the snapshot
-    peak = max(float(d.max()) if d.numel() else 0.0 for d in gather_objects(before.detach().cpu()))
+    peak = _peak(before)
     if peak <= IDLE_MARGIN * delta:  # no token can be outside: nothing to audit, no snapshot, no step
         return _idle_record(rules, before, getattr(stage, "advantages", None), getattr(stage, "mu_tail", None),
-                            delta, cfg, contexts, fingerprint, peak)
+                            delta, cfg, contexts, fingerprint, peak, source="forward")
     snapshot = HostSnapshot.take(stage.params, stage.optimizer)
     try:
         return _audit_from_snapshot(stage, snapshot, rules, cfg, mask_cfg, delta, contexts, seed, probing,
                                     fingerprint, before)
-    except BaseException:  # a step that raised (a non-finite update): the state as it was, then the error
+    finally:  # also after a step that raised; and the probe's backward passes wrote the gradients a
+        # trainer may have accumulated before the audit (TRL's pending audit): all back as they were
         snapshot.restore(stage.params, stage.optimizer)
-        raise
+
+
+def _peak(d: Tensor) -> float:
+    """The largest D over every rank's tokens (collective; 0 where there are none)."""
+    return max(float(x.max()) if x.numel() else 0.0 for x in gather_objects(d.detach().cpu()))
 
 
 #: A batch whose largest float64 D at θ₀ is at most this fraction of δ has no outside token (the
@@ -212,9 +239,11 @@ IDLE_MARGIN = 0.99
 
 
 def _idle_record(rules, before: Tensor, advantages: Tensor | None, mu_tail: Tensor | None, delta: float,
-                 cfg: "LiveAuditConfig", contexts: int, fingerprint, peak: float) -> dict:
+                 cfg: "LiveAuditConfig", contexts: int, fingerprint, peak: float, source: str) -> dict:
     """The record of a batch with no outside token: the same keys as an audited one, every count 0
-    and every rate null (nothing counted), ``idle`` true, the regime from D at θ₀."""
+    and every rate null (nothing counted), ``idle`` true, the regime from D at θ₀, ``idle_check``
+    where that D came from (``forward``: the stage's float64 forward; ``loss``: the trainer's own
+    loss, float32)."""
     from pdm_lab.audit.measure import regime_table
     from pdm_lab.audit.probe_record import step_scale_record
 
@@ -229,7 +258,7 @@ def _idle_record(rules, before: Tensor, advantages: Tensor | None, mu_tail: Tens
     d_all = torch.cat([g[1] for g in gathered])
     tokens = sum(g[0] for g in gathered)
     record.update(tokens=tokens, zero_advantage=sum(int((~g[2]).sum()) for g in gathered), idle=True, peak_d=peak,
-                  outside_tokens=[])
+                  idle_check=source, outside_tokens=[])
     if d_all.numel():
         all_none = torch.zeros(d_all.numel(), dtype=torch.bool)
         tails = [g[3] for g in gathered]

@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -59,6 +60,7 @@ from pdm_lab.integrations.versions import require_version
 
 TRL_VERSION = require_version("trl")
 
+from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 TOPK_KEYS = ("pdm_topk_ids", "pdm_topk_logp", "pdm_mu_logp")
@@ -98,6 +100,19 @@ def _refuse_kernel_rules(mask: MaskConfig, audit: LiveAuditConfig) -> None:
                               "PDMGRPOTrainer does not supply; run it in the scaling loop (pdm-lab train) or the toys")
 
 
+class _AuditBeforeStep(TrainerCallback):
+    """Runs the trainer's pending audit just before the optimiser step (the gradients clipped, θ
+    and the optimiser's state still those that generated the batch)."""
+
+    def __init__(self, trainer: "PDMGRPOTrainer"):
+        self._trainer = weakref.ref(trainer)  # the trainer holds its callbacks: no cycle
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer.pdm_run_pending_audit()
+
+
 class PDMGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose loss is pdm_lab's masked policy loss (``mask``: the ``MaskConfig``).
 
@@ -126,6 +141,9 @@ class PDMGRPOTrainer(GRPOTrainer):
         self.pdm_sampling = cut if cut.active and keep_sampling_mask is not False else None
         self._pdm_rollout: list[tuple[Tensor, Tensor, Tensor]] = []
         self._pdm_scores_config = None
+        self._pdm_pending_audit = None
+        if self.pdm_audit.every:
+            self.add_callback(_AuditBeforeStep(self))
 
     def _generation_cut(self) -> SamplingMask:
         """The cut the generator samples with: TRL's ``top_k``/``top_p``/``min_p``, overridden by
@@ -231,12 +249,23 @@ class PDMGRPOTrainer(GRPOTrainer):
         output[NUM_SEQS_KEY] = self.accelerator.gather(with_tokens).sum()
         self._pdm_rollout = []
         if self.pdm_audit.every and self.model.training:  # SPEC §6c on the fresh batch, before any step
+            from pdm_lab.integrations.trl_audit import ROW_KEY, PendingAudit
+
+            self.pdm_run_pending_audit()  # a batch generated before any step since: θ is still its θ₀
+            output[ROW_KEY] = torch.arange(output["completion_ids"].size(0), device=device)
             self._pdm_audit_batches += 1
             if self._pdm_audit_batches % self.pdm_audit.every == 0:
-                from pdm_lab.integrations.trl_audit import audit_generation_batch
-
-                audit_generation_batch(self, output)
+                self._pdm_pending_audit = PendingAudit(output)
         return output
+
+    def pdm_run_pending_audit(self) -> None:
+        """The audit due on the last generation batch, at θ₀: called just before the optimiser step
+        (``_AuditBeforeStep``), after the loss has measured D at θ₀ for the step's rows."""
+        pending, self._pdm_pending_audit = self._pdm_pending_audit, None
+        if pending is not None:
+            from pdm_lab.integrations.trl_audit import audit_generation_batch
+
+            audit_generation_batch(self, pending.batch, pending)
 
     # --- the loss: pdm_lab's ---------------------------------------------------------------------
     def pdm_dp(self, inputs) -> DPInfo | None:
@@ -283,6 +312,8 @@ class PDMGRPOTrainer(GRPOTrainer):
         out = self.pdm_loss_output(model, inputs)
         self.pdm_last_output = out  # the last micro-batch's keep mask and stats, for inspection
         mode = "train" if self.model.training else "eval"
+        if self._pdm_pending_audit is not None and mode == "train":  # D at θ₀: the audit's idle check
+            self._pdm_pending_audit.observe(inputs, out)
         for key, value in out.metrics.items():
             if not torch.isnan(value):  # NaN: nothing counted in this micro-batch (n/a), not a 0
                 self._metrics[mode][f"pdm/{key}"].append(float(value))

@@ -1,13 +1,18 @@
 """The direction audit (SPEC §6, §6c, §6d) inside ``PDMGRPOTrainer``: TRL's live generation batch.
 
 ``PDMGRPOTrainer(..., audit=LiveAuditConfig(every=N, rules=(A, B, …), delta=δ, probe_tokens=M,
-step_scales=(1, 0.1, …)))`` audits every N-th training generation batch right after it is
-generated and scored (the parameters that generated μ, the optimiser state the next real step
-will use), through the one live audit, ``pdm_lab.audit.live.run_live_audit``, with TRL's stage
-(``trl_audit_stage.TRLAuditStage``):
+step_scales=(1, 0.1, …)))`` audits every N-th training generation batch at θ₀ — the parameters
+that generated μ and the optimiser state the next real step will use — just before the trainer's
+first optimiser step on it (``PendingAudit``), through the one live audit,
+``pdm_lab.audit.live.run_live_audit``, with TRL's stage (``trl_audit_stage.TRLAuditStage``):
 
-1. snapshot the parameters, the optimiser's state and settings, any gradients and the RNG to host
-   memory; D per completion token at θ₀ in float64;
+0. the idle check: the trainer's own loss has by then computed D at θ₀ for every row of the batch
+   (its first forward of each row; ``PendingAudit.observe``), so a batch with no token within 1% of
+   δ is recorded without a forward, a snapshot or a step (``idle_check: "loss"``). Where that step
+   saw only part of the batch (``steps_per_generation`` > ``gradient_accumulation_steps``) the
+   check runs its own float64 forward instead (``idle_check: "forward"``);
+1. snapshot the parameters, the optimiser's state and settings, the gradients the trainer has
+   accumulated and the RNG to host memory; D per completion token at θ₀ in float64;
 2. per step size and rule: one optimiser step over the whole generation batch (micro-batches of
    ``per_device_train_batch_size``, each loss weighted by its share of the batch, TRL's
    ``max_grad_norm`` clip, the wrapped torch optimiser at that multiple of its current learning
@@ -34,10 +39,47 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pdm_lab.audit.live import distinct_contexts, flat_metrics, json_safe, run_live_audit
+from pdm_lab.audit.live import LossDivergence, distinct_contexts, flat_metrics, gather_objects, json_safe, run_live_audit
 from pdm_lab.integrations.trl_audit_stage import BATCH_KEYS, TRLAuditStage, batch_rows, measured_divergence  # noqa: F401
 
-__all__ = ["audit_generation_batch", "measured_divergence", "BATCH_KEYS"]
+__all__ = ["audit_generation_batch", "measured_divergence", "BATCH_KEYS", "ROW_KEY", "PendingAudit"]
+
+#: Each completion's row in its generation batch, carried through TRL's shuffle and split so that
+#: the loss can say which rows of an audited batch it has measured.
+ROW_KEY = "pdm_row"
+
+
+class PendingAudit:
+    """An audit due on one generation batch, held until the trainer's first optimiser step on it.
+
+    Until that step θ is θ₀, so every loss forward of the batch's rows measures D at θ₀:
+    ``observe`` keeps the loss's D and μ_T per row, and ``at_start`` hands them to the idle check
+    when every audited row was seen (on every process), else None (the check then runs its own
+    forward).
+    """
+
+    def __init__(self, batch: dict):
+        self.batch = {key: batch[key] for key in BATCH_KEYS}
+        rows, cols = batch["completion_ids"].shape
+        self.topk_kl = torch.full((rows, cols), float("nan"))
+        self.mu_tail = torch.full((rows, cols), float("nan"))
+        self.seen = torch.zeros(rows, dtype=torch.bool)
+
+    def observe(self, inputs: dict, out) -> None:
+        """The loss ``out`` (``LossOutput``, stats per [b·t] token) of the micro-batch ``inputs``."""
+        rows = inputs[ROW_KEY].cpu()
+        b, t = inputs["completion_ids"].shape
+        self.topk_kl[rows, :t] = out.stats.topk_kl.detach().reshape(b, t).float().cpu()
+        self.mu_tail[rows, :t] = out.stats.mu_tail.detach().reshape(b, t).float().cpu()
+        self.seen[rows] = True
+
+    def at_start(self, n: int) -> LossDivergence | None:
+        """D at θ₀ of the first ``n`` rows' completion tokens, in ``TRLAuditStage``'s token order
+        (row-major), if every process saw all of its rows (collective)."""
+        if not all(gather_objects(bool(self.seen[:n].all()))):
+            return None
+        resp = self.batch["completion_mask"][:n].bool().cpu()
+        return LossDivergence(topk_kl=self.topk_kl[:n][resp], mu_tail=self.mu_tail[:n][resp])
 
 
 def _distinct_contexts(batch: dict) -> int:
@@ -50,8 +92,9 @@ def _rng_devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
 
-def audit_generation_batch(trainer, batch: dict) -> dict:
-    """Steps 1–4 of the module docstring on one generation batch; returns the merged record."""
+def audit_generation_batch(trainer, batch: dict, pending: PendingAudit | None = None) -> dict:
+    """Steps 0–4 of the module docstring on one generation batch (``pending``: the loss's D at θ₀
+    for the idle check, where the trainer kept it); returns the merged record."""
     start = time.perf_counter()
     cfg = trainer.pdm_audit
     delta = trainer.pdm_mask.delta if cfg.delta is None else cfg.delta
@@ -65,7 +108,8 @@ def audit_generation_batch(trainer, batch: dict) -> dict:
     # the probe runs after the last restore: its passes leave the RNG as the snapshot left it
     with torch.enable_grad(), torch.random.fork_rng(devices=_rng_devices()):
         record = run_live_audit(stage, rules=rules, cfg=cfg, mask_cfg=trainer.pdm_mask, delta=delta,
-                                contexts=_distinct_contexts(batch), seed=trainer.args.seed)
+                                contexts=_distinct_contexts(batch), seed=trainer.args.seed,
+                                at_start=None if pending is None else pending.at_start(n))
     optimizer = stage.optimizer
     record.update(k=trainer.pdm_mask.k,
                   step_doc={"optimizer": type(optimizer).__name__ + " (the trainer's, with its state at this step)",

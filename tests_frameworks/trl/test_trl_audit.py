@@ -81,32 +81,75 @@ def test_audit_writes_audit_jsonl_and_logs_rates_without_changing_training(tiny_
     assert not all(torch.equal(p, q) for p, q in zip(plain.model.parameters(), broken.model.parameters()))
 
 
-def test_idle_audited_step_writes_an_idle_line_and_takes_no_snapshot(tiny_dir, tmp_path, monkeypatch):
-    # no cut, HF generate: μ is the trainer's own model (D ≈ 1e-7 ≪ δ): the audit's idle path, one
-    # forward, no snapshot and no audited step (both planted to raise)
+def _idle_run(tiny_dir, out, **extra):
+    # no cut, HF generate: μ is the trainer's own model (D ≈ 1e-7 ≪ δ): every audited batch is idle
     from trl import GRPOConfig
 
-    from pdm_lab.audit import live
     from pdm_lab.integrations.trl import PDMGRPOTrainer
-    from pdm_lab.integrations.trl_audit_stage import TRLAuditStage
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("an idle audit took a snapshot or a step")
-
-    monkeypatch.setattr(live.HostSnapshot, "take", refuse)
-    monkeypatch.setattr(TRLAuditStage, "step", refuse)
-    args = GRPOConfig(output_dir=str(tmp_path / "idle"), per_device_train_batch_size=4, num_generations=4,
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=10, max_steps=1, learning_rate=5e-2, beta=0.0, temperature=1.0, top_k=0,
-                      top_p=1.0, logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no", bf16=False)
+                      top_p=1.0, logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no", bf16=False,
+                      **extra)
     trainer = PDMGRPOTrainer(model=str(tiny_dir), reward_funcs=_reward, args=args, train_dataset=_dataset(),
                              mask=MaskConfig(rule="pdm_topk", delta=0.02, k=K),
                              audit=LiveAuditConfig(every=1, rules=RULES, probe_tokens=4))
     trainer.train()
-    lines = [json.loads(x) for x in (tmp_path / "idle" / "audit.jsonl").read_text().splitlines()]
+    return trainer, [json.loads(x) for x in (out / "audit.jsonl").read_text().splitlines()]
+
+
+def test_idle_audited_step_writes_an_idle_line_without_a_forward_a_snapshot_or_a_step(tiny_dir, tmp_path,
+                                                                                     monkeypatch):
+    # the idle check reads the loss's own D at θ₀ (the step's forward saw every row): no forward of
+    # its own, no snapshot, no audited step (all three planted to raise)
+    from pdm_lab.audit import live
+    from pdm_lab.integrations.trl_audit_stage import TRLAuditStage
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an idle audit ran a forward, took a snapshot or a step")
+
+    monkeypatch.setattr(live.HostSnapshot, "take", refuse)
+    monkeypatch.setattr(TRLAuditStage, "step", refuse)
+    monkeypatch.setattr(TRLAuditStage, "measure", refuse)
+    trainer, lines = _idle_run(tiny_dir, tmp_path / "idle")
     assert len(lines) == 1 and lines[0]["step"] == 1, lines
     r = lines[0]
-    assert r["idle"] is True and r["outside"] == 0 and r["host_snapshot_bytes"] == 0 and r["probe"] is None
+    assert r["idle"] is True and r["idle_check"] == "loss" and r["outside"] == 0
+    assert r["host_snapshot_bytes"] == 0 and r["probe"] is None
     assert 0 < r["tokens"] and r["peak_d"] <= 0.99 * 0.02
     assert all(p["disagreement"] == 0 for p in r["pairs"].values())
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert "pdm/time/audit_s" in logged and "pdm/audit/outside" in logged
+
+
+def test_the_losss_divergence_is_the_float64_forwards_to_float32_rounding(tiny_dir, tmp_path, monkeypatch):
+    """The values the idle check reads are D at θ₀ of the audited tokens, in the stage's order:
+    against the stage's own float64 forward on the same batch, token by token (the top-k 4 cut
+    makes D −log π(top 4) ≈ 0.1–1, far above float32 rounding; δ 50 keeps both batches idle)."""
+    from pdm_lab.audit import live
+    from pdm_lab.integrations import trl_audit
+
+    seen = []
+    run = live.run_live_audit
+
+    def compare(stage, **kwargs):
+        seen.append((kwargs["at_start"], stage.measure()))
+        return run(stage, **kwargs)
+
+    monkeypatch.setattr(trl_audit, "run_live_audit", compare)
+    _train(tiny_dir, tmp_path / "compare", LiveAuditConfig(every=1, rules=RULES, delta=50.0, probe_tokens=0))
+    assert len(seen) == 2
+    for at_start, forward in seen:
+        assert at_start is not None and at_start.topk_kl.shape == forward.shape and float(forward.min()) > 1e-3
+        torch.testing.assert_close(at_start.topk_kl.double(), forward, rtol=1e-4, atol=1e-6)
+        # a planted misorder (the loss's D put back in the wrong token order) is caught
+        assert not torch.allclose(at_start.topk_kl.double().flip(0), forward, rtol=1e-4, atol=1e-6)
+    lines = [json.loads(x) for x in (tmp_path / "compare" / "audit.jsonl").read_text().splitlines()]
+    assert [(r["idle"], r["idle_check"]) for r in lines] == [(True, "loss")] * 2
+
+
+def test_a_batch_the_step_saw_only_in_part_is_checked_by_its_own_forward(tiny_dir, tmp_path):
+    # steps_per_generation 2 > gradient_accumulation_steps 1: the first step sees half the batch, so
+    # the loss's D at θ₀ does not cover it and the idle check measures the batch itself
+    _, lines = _idle_run(tiny_dir, tmp_path / "part", steps_per_generation=2)
+    assert [r["idle_check"] for r in lines] == ["forward"] and lines[0]["idle"] is True
