@@ -2,7 +2,8 @@
 
 ``HostSnapshot`` — the parameters (each rank's local shard), the optimiser's per-parameter state,
 its param-group settings, any gradients and the torch RNG, copied to host memory, and restored in
-place (a DTensor shard keeps its placement; state the audit's steps created is removed again).
+place (a DTensor shard keeps its placement; a sharded gradient the audit's steps freed is rebuilt in
+its parameter's mesh and placements; state the audit's steps created is removed again).
 Host memory: the snapshot's ``nbytes`` (AdamW: parameters + two moments).
 """
 from __future__ import annotations
@@ -99,10 +100,22 @@ def restore_params(snap: HostSnapshot, params: list[Tensor]) -> None:
             p.grad = None
         elif p.grad is not None:
             _copy_into(p.grad, grad, f"params[{i}].grad")
-        elif hasattr(p, "to_local"):
-            raise PDMInputError("params: a sharded gradient the snapshot holds was freed; cannot rebuild it")
+        elif hasattr(p, "to_local"):  # a sharded gradient the audited step freed: the parameter's own layout
+            p.grad = _sharded_like(p, grad)
         else:  # freed by a zero_grad(set_to_none=True) of the audited step
             p.grad = grad.to(p.device, copy=True)
+
+
+def _sharded_like(param: Tensor, local: Tensor) -> Tensor:
+    """A DTensor gradient for the DTensor ``param`` from this rank's saved shard (FSDP2 keeps a
+    gradient in its parameter's mesh and placements, the shapes its shard's)."""
+    from torch.distributed.tensor import DTensor
+
+    if tuple(local.shape) != tuple(param.to_local().shape):
+        raise PDMInputError(f"params: a saved gradient shard has shape {tuple(local.shape)}, its parameter's "
+                            f"local shard {tuple(param.to_local().shape)}; cannot rebuild it")
+    return DTensor.from_local(local.to(param.to_local().device, copy=True), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
 
 
 @torch.no_grad()

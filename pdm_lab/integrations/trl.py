@@ -100,6 +100,16 @@ def _refuse_kernel_rules(mask: MaskConfig, audit: LiveAuditConfig) -> None:
                               "PDMGRPOTrainer does not supply; run it in the scaling loop (pdm-lab train) or the toys")
 
 
+def _refuse_audit_under_deepspeed(audit: LiveAuditConfig, deepspeed: bool) -> None:
+    """The audit runs at ``on_pre_optimizer_step``, at θ₀; DeepSpeed's engine steps inside the
+    backward of the accumulation window's last micro-batch, before that hook, and partitions the
+    parameters and the optimiser state the audit snapshots."""
+    if audit.every and deepspeed:
+        raise ConfigError("audit.every: the live audit is not supported under DeepSpeed (its engine takes the "
+                          "optimiser step inside backward, before the audit's pre-step hook, and partitions the "
+                          "state the audit snapshots); audit with FSDP, DDP or one process, or set audit.every=0")
+
+
 class _AuditBeforeStep(TrainerCallback):
     """Runs the trainer's pending audit just before the optimiser step (the gradients clipped, θ
     and the optimiser's state still those that generated the batch)."""
@@ -132,6 +142,7 @@ class PDMGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         if self.beta != 0.0:
             raise ValueError("PDMGRPOTrainer: set GRPOConfig(beta=0.0); the KL penalty is not part of pdm_lab's loss")
+        _refuse_audit_under_deepspeed(self.pdm_audit, self.is_deepspeed_enabled)
         if self.use_vllm:
             self.vllm_generation.logprobs = self.pdm_mask.k  # top-K processed log-probs per position
         if self.pdm_mask.aggregation == "seq-mean-token-sum-norm" and self.pdm_mask.horizon is None:

@@ -153,3 +153,15 @@ def test_a_batch_the_step_saw_only_in_part_is_checked_by_its_own_forward(tiny_di
     # the loss's D at θ₀ does not cover it and the idle check measures the batch itself
     _, lines = _idle_run(tiny_dir, tmp_path / "part", steps_per_generation=2)
     assert [r["idle_check"] for r in lines] == ["forward"] and lines[0]["idle"] is True
+
+
+def test_the_audit_is_refused_by_name_under_deepspeed():
+    # DeepSpeed steps inside backward, before the audit's pre-step hook: the audit would read the
+    # stepped state as θ₀, so it is refused (the check PDMGRPOTrainer runs after TRL's __init__)
+    from pdm_lab.config import ConfigError
+    from pdm_lab.integrations.trl import _refuse_audit_under_deepspeed
+
+    with pytest.raises(ConfigError, match="audit.every: .*DeepSpeed"):
+        _refuse_audit_under_deepspeed(LiveAuditConfig(every=1), deepspeed=True)
+    _refuse_audit_under_deepspeed(LiveAuditConfig(every=0), deepspeed=True)  # no audit: nothing to refuse
+    _refuse_audit_under_deepspeed(LiveAuditConfig(every=1), deepspeed=False)
