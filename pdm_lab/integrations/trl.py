@@ -30,7 +30,8 @@ mask config, convention included, and the sampling mask are written to
 ``output_dir/pdm_config.json`` when training starts.
 
 ``audit=LiveAuditConfig(every=N, …)`` runs the direction audit (SPEC §6c) on every N-th training
-generation batch (``trl_audit.py``): ``output_dir/audit.jsonl`` and ``pdm/audit/...`` in the logs.
+generation batch (``trl_audit.py``), just before the first optimiser step on it (θ still θ₀; a batch
+the loss found idle costs no forward): ``output_dir/audit.jsonl`` and ``pdm/audit/...`` in the logs.
 
 μ stays the rollout's for every reuse of a batch (``num_iterations > 1``), as the trust region
 requires. Tested with the TRL versions in ``pdm_lab.integrations.versions.TESTED``.
