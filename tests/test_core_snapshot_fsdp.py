@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from loop_helpers import run_ranks
+
 
 class _Two(torch.nn.Module):
     def __init__(self):
@@ -53,14 +55,5 @@ def _worker(rank: int, world: int, store_path: str, queue) -> None:
 
 
 def test_a_restore_rebuilds_freed_sharded_gradients_and_the_real_step_is_unchanged(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp_path / "store"), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = run_ranks(_worker, str(tmp_path / "store"), timeout=180)
     assert results == [(0, True), (1, True)], results
