@@ -232,9 +232,10 @@ def _peak(d: Tensor) -> float:
     return max(float(x.max()) if x.numel() else 0.0 for x in gather_objects(d.detach().cpu()))
 
 
-#: A batch whose largest float64 D at θ₀ is at most this fraction of δ has no outside token (the
-#: loss-time D that decides "outside" differs from it by float32 rounding, far below 1%), so the
-#: audit records it without a snapshot or a step: an audit left on costs one forward when idle.
+#: A batch whose largest D at θ₀ is at most this fraction of δ has no outside token (the loss-time
+#: D that decides "outside" differs from a float64 forward's, or from another micro-batching of the
+#: same loss, by float32 rounding, far below 1%), so the audit records it without a snapshot or a
+#: step: an audit left on costs one forward when idle, none where the trainer hands over its loss's D.
 IDLE_MARGIN = 0.99
 
 

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pdm_lab.audit.live import LossDivergence, distinct_contexts, flat_metrics, gather_objects, json_safe, run_live_audit
+from pdm_lab.audit.live import (LossDivergence, distinct_contexts, flat_metrics, gather_objects, json_safe,
+                                 run_live_audit)
 from pdm_lab.integrations.trl_audit_stage import BATCH_KEYS, TRLAuditStage, batch_rows, measured_divergence  # noqa: F401
 
 __all__ = ["audit_generation_batch", "measured_divergence", "BATCH_KEYS", "ROW_KEY", "PendingAudit"]
